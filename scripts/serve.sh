@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Start the real `python -m sglang.launch_server` on a model folder (default: the embedded tiny
+# Qwen3-Next), on CPU when no GPU is present and on CUDA otherwise. Extra arguments are passed
+# to launch_server, e.g. `make serve ARGS="--log-level debug"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${1:-.models/qwen3-next-tiny}; PORT=${2:-30000}; shift $(( $# > 2 ? 2 : $# ))
+PY=.venv/bin/python
+ARGS=(--model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
+      --tool-call-parser qwen25 --reasoning-parser qwen3)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  :
+else
+  export SGLANG_USE_CPU_ENGINE=1
+  ARGS+=(--device cpu --attention-backend torch_native --disable-overlap-schedule)
+fi
+cat <<MSG
+Starting SGLang on http://127.0.0.1:$PORT  (model: $MODEL)
+Try, once it prints "The server is fired up":
+  curl -s http://127.0.0.1:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model":"default","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}'
+MSG
+exec "$PY" -m sglang.launch_server "${ARGS[@]}" "$@"

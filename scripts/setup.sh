@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Idempotent setup: .venv/ with pinned upstream SGLang, our patch series and modules applied,
+# and our sgl-kernel CPU ops built when no real sgl-kernel CPU build is present.
+# Run through `make setup`. Re-running does only what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+SGLANG_VERSION=0.5.23
+VENV=${VENV:-$REPO/.venv}
+PY=$VENV/bin/python
+export PIP_CONSTRAINT=$REPO/requirements/constraints.txt
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+PIP="$PY -m pip -q"
+CACHE=$REPO/.cache
+mkdir -p "$CACHE"
+
+has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+if [ ! -x "$PY" ]; then
+  echo "== creating $VENV"
+  python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
+fi
+
+# 1. Dependencies (skipped when the requirement files are unchanged since the last install).
+if has_cuda; then REQ=(requirements/cuda.txt requirements/test.txt); unset PIP_CONSTRAINT; else REQ=(requirements/constraints.txt requirements/cpu.txt requirements/test.txt); fi
+req_hash=$(cat "${REQ[@]}" | sha256sum | cut -c1-16)
+if [ "$(cat "$VENV/.req-stamp" 2>/dev/null)" != "$req_hash" ]; then
+  echo "== installing dependencies (${REQ[*]})"
+  if has_cuda; then
+    $PIP install -r requirements/cuda.txt -r requirements/test.txt
+  else
+    $PIP install torch==2.13.0
+    $PIP install -r requirements/cpu.txt -r requirements/test.txt
+  fi
+  echo "$req_hash" > "$VENV/.req-stamp"
+fi
+
+# 2. Pristine upstream wheel (kept in .cache for check-patches), installed without its CUDA pins.
+WHEEL=$(ls "$CACHE"/wheels/sglang-$SGLANG_VERSION-*.whl 2>/dev/null | head -1 || true)
+if [ -z "$WHEEL" ]; then
+  echo "== downloading sglang==$SGLANG_VERSION"
+  $PY -m pip download -q --no-deps -d "$CACHE/wheels" "sglang==$SGLANG_VERSION"
+  WHEEL=$(ls "$CACHE"/wheels/sglang-$SGLANG_VERSION-*.whl | head -1)
+fi
+SITE=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+installed=$($PY -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null || true)
+state=$($PY scripts/patch_queue.py status --site-packages "$SITE" 2>/dev/null || echo missing)
+if [ "$installed" != "$SGLANG_VERSION" ] || [ "$state" = stale ] || [ ! -d "$SITE/sglang" ]; then
+  echo "== installing pristine sglang==$SGLANG_VERSION (--no-deps)"
+  $PIP install --force-reinstall --no-deps "$WHEEL"
+fi
+
+# 3. Patch series and our modules.
+$PY scripts/patch_queue.py apply --site-packages "$SITE"
+
+# 4. sgl-kernel: our CPU ops unless a real sgl-kernel CPU build is present. On CUDA machines
+#    upstream's own sglang-kernel owns the `sgl_kernel` module: our sources (CUDA included) are
+#    compiled in place to prove they build, and nothing is installed over it.
+if has_cuda; then
+  echo "== compiling sgl-kernel/ in place (CUDA machine; upstream sglang-kernel stays installed)"
+  (cd sgl-kernel && MAX_JOBS=${MAX_JOBS:-8} "$PY" setup.py -q build_ext --inplace)
+  echo "== setup done: $PY"
+  exit 0
+fi
+if $PY - <<'PYEOF'
+import sys
+try:
+    import sgl_kernel, torch  # noqa: F401
+    ok = hasattr(torch.ops.sgl_kernel, "fused_gdn_gating_cpu")
+except Exception:
+    ok = False
+sys.exit(0 if ok else 1)
+PYEOF
+then
+  kernel_hash=$(find sgl-kernel -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | sort | xargs cat | sha256sum | cut -c1-16)
+  if [ -f "$VENV/.sgl-kernel-stamp" ] && [ "$(cat "$VENV/.sgl-kernel-stamp")" != "$kernel_hash" ]; then
+    rebuild=1
+  else
+    rebuild=0
+  fi
+else
+  rebuild=1
+fi
+if [ "$rebuild" = 1 ]; then
+  echo "== building sgl-kernel/ (our CPU ops$(has_cuda && echo ' + CUDA sources'))"
+  MAX_JOBS=${MAX_JOBS:-2} $PIP install --no-build-isolation --no-deps ./sgl-kernel
+  find sgl-kernel -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | sort | xargs cat | sha256sum | cut -c1-16 > "$VENV/.sgl-kernel-stamp"
+fi
+echo "== setup done: $PY"
