@@ -1,0 +1,70 @@
+"""The fork's ``sgl_kernel``: the CPU operators upstream sglang calls on CPU.
+
+The registry's sgl-kernel wheels are CUDA-only, and upstream sglang's CPU path
+imports ops that only a source build of upstream sgl-kernel provides. This
+package supplies them, written from scratch for this fork:
+
+* ``torch.ops.sgl_kernel.*`` (registered by the C++ extension ``sgl_kernel._C``
+  on import): ``fused_gdn_gating_cpu``, ``chunk_gated_delta_rule_cpu``,
+  ``fused_sigmoid_gating_delta_rule_update_cpu``, ``causal_conv1d_fwd_cpu``,
+  ``causal_conv1d_update_cpu``, ``fused_rmsnorm_gated_cpu``,
+  ``fused_sigmoid_mul_cpu``, ``assign_req_to_token_pool_cpu``,
+  ``copy_all_layer_kv_cache_cpu``, ``murmur_hash32_cpu``, plus ``cpu_isa`` /
+  ``set_cpu_isa``. Each is documented in :mod:`sgl_kernel.ops`.
+* top-level Python functions ``assign_req_to_token_pool_cpu`` and
+  ``copy_all_layer_kv_cache_cpu`` (memory management);
+* :mod:`sgl_kernel.mamba`: ``causal_conv1d_fn_cpu``,
+  ``causal_conv1d_update_cpu``, ``chunk_gated_delta_rule_cpu``;
+* speculative-decoding names upstream imports at module import time; they
+  raise a RuntimeError when called (see :mod:`sgl_kernel.speculative`).
+
+The SIMD kernels are built for scalar, AVX2 and AVX-512 and picked at run time
+(``cpu_isa()``; ``SGLANG_CPU_KERNEL_ISA=avx2`` etc. caps the choice).
+"""
+
+import importlib.util
+
+import torch  # noqa: F401  (libtorch must be loaded before the extension)
+
+from . import _C  # noqa: F401  (registers torch.ops.sgl_kernel.*)
+
+if importlib.util.find_spec("sgl_kernel._C_cuda") is not None:  # CUDA build only
+    from . import _C_cuda  # noqa: F401
+
+from . import mamba, ops, speculative  # noqa: E402
+from .ops import (  # noqa: E402
+    assign_req_to_token_pool_cpu,
+    copy_all_layer_kv_cache_cpu,
+    cpu_isa,
+    set_cpu_isa,
+)
+from .speculative import (  # noqa: E402
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    build_draft_decode_metadata_cpu,
+    build_tree_kernel_efficient_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    rotate_input_ids_cpu,
+    verify_tree_greedy_cpu,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "assign_req_to_token_pool_cpu",
+    "copy_all_layer_kv_cache_cpu",
+    "cpu_isa",
+    "set_cpu_isa",
+    "mamba",
+    "ops",
+    "speculative",
+    "assign_draft_cache_locs_contiguous_cpu",
+    "assign_extend_cache_locs_cpu",
+    "build_draft_decode_metadata_cpu",
+    "build_tree_kernel_efficient_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "fill_bonus_tokens_cpu",
+    "rotate_input_ids_cpu",
+    "verify_tree_greedy_cpu",
+]
