@@ -1,0 +1,45 @@
+"""CLI: ``python -m sglang.test.tiny_models --arch qwen3_next --out DIR [--seed N] [--force]``."""
+
+import argparse
+import sys
+import time
+
+from .builder import ARCHS, DEFAULT_ARCH, DEFAULT_SEED, build, param_count
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang.test.tiny_models",
+        description="Write a deterministic tiny random-weight model (no downloads).",
+    )
+    parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument(
+        "--no-tokenizer-cache",
+        action="store_true",
+        help="retrain the tokenizer instead of using the cached one",
+    )
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        out = build(
+            args.arch,
+            args.out,
+            seed=args.seed,
+            force=args.force,
+            use_tokenizer_cache=not args.no_tokenizer_cache,
+        )
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {args.arch} ({param_count(args.arch) / 1e6:.1f}M params, seed {args.seed}) "
+        f"to {out} in {time.perf_counter() - t0:.1f}s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

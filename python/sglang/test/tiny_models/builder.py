@@ -1,0 +1,346 @@
+"""Build tiny random-weight Qwen3-Next / Qwen3-MoE checkpoints (config, weights, tokenizer).
+
+Everything is deterministic: the same ``seed`` gives byte-identical files on every run. Each
+tensor is drawn from its own generator seeded by (seed, tensor name), so changing one shape
+leaves every other tensor unchanged. Weights are drawn in float32 and rounded to bfloat16,
+which is what is stored, so a float32 run of the model is an exact upcast.
+
+The checkpoint uses the original Hugging Face Qwen layout (one tensor per expert projection,
+``mlp.experts.{j}.gate_proj.weight``...), which both transformers (it fuses experts on load)
+and SGLang's model loaders read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from . import tokenizer as tok_mod
+
+DEFAULT_ARCH = "qwen3_next"
+DEFAULT_SEED = 0
+MAX_POSITION_EMBEDDINGS = 262144
+
+# Shared sizes (small enough for 2 CPU cores, big enough to be a real MoE).
+HIDDEN = 256
+NUM_LAYERS = 4
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = 64
+NUM_EXPERTS = 64
+TOP_K = 8
+MOE_INTERMEDIATE = 128
+ROPE_THETA = 10_000_000
+FULL_ATTENTION_INTERVAL = 4
+
+# --- init scales -------------------------------------------------------------------------
+# Sub-layer inputs are RMS-normalised, so a projection with std s and fan-in n gives outputs of
+# rms ~ s * sqrt(n). Projections use PROJ_GAIN / sqrt(fan_in): every block adds a visible but
+# not dominant update to the residual stream (rms stays ~1.0-1.1 through the 4 layers), so
+# outputs depend on the context (changing the first of 400 tokens moves ~5-15% of later
+# argmaxes) while the embedding (rms EMBED_STD) keeps the token identity.
+# Router logits have std ROUTER_LOGIT_STD (all 64 experts used, top-8 load skewed ~4:1).
+# The lm_head gives logits of std LOGIT_STD with log-normal per-token row norms (a heavier top
+# tail): median top-1/top-2 gap ~2 logits, peaked softmax (entropy ~0.8 nats), so greedy
+# decoding is rarely decided by a near-tie. Measured bf16-vs-fp32 argmax disagreement is
+# ~1-2% of positions; a float32 run is exact (weights are bf16 values), so strict greedy
+# parity checks should run in float32.
+EMBED_STD = 1.0
+PROJ_GAIN = 0.7
+ROUTER_LOGIT_STD = 2.0  # std of router logits for a unit-rms input
+LOGIT_STD = 4.0  # std of output logits for a unit-rms final hidden state
+LM_HEAD_ROW_SCALE_SIGMA = 0.35  # log-normal spread of per-token output norms (wider top gaps)
+NORM_WEIGHT_STD = 0.05  # RMSNorm weights are 1 (+ this much noise) so loading bugs show up
+QK_NORM_SCALE = 1.5  # q/k RMSNorm gain: attention logits std ~QK_NORM_SCALE**2 (not too flat)
+A_MIN, A_MAX = 0.02, 1.0  # gated DeltaNet decay rates
+DT_BIAS = -2.0
+
+
+ARCHS = ("qwen3_next", "qwen3_moe")
+
+
+def _common_config() -> dict:
+    ids = tok_mod.added_token_ids()
+    return {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "decoder_sparse_step": 1,
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "norm_topk_prob": True,
+        "num_attention_heads": NUM_HEADS,
+        "num_experts": NUM_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": ROPE_THETA,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": tok_mod.VOCAB_SIZE,
+    }
+
+
+def model_config(arch: str) -> dict:
+    """config.json contents for ``arch`` (keys as in the released Qwen checkpoints)."""
+    cfg = _common_config()
+    if arch == "qwen3_next":
+        cfg.update(
+            {
+                "architectures": ["Qwen3NextForCausalLM"],
+                "model_type": "qwen3_next",
+                # layers 0,1,2 gated DeltaNet, layer 3 full (gated) attention. Like the released
+                # checkpoints, no explicit "layer_types": transformers and SGLang both derive
+                # the pattern from the interval.
+                "full_attention_interval": FULL_ATTENTION_INTERVAL,
+                "intermediate_size": 512,  # dense MLP size (unused: every layer is MoE)
+                "shared_expert_intermediate_size": MOE_INTERMEDIATE,
+                "partial_rotary_factor": 0.25,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 64,
+                "linear_value_head_dim": 64,
+                "linear_num_key_heads": 4,
+                "linear_num_value_heads": 8,
+            }
+        )
+    elif arch == "qwen3_moe":
+        cfg.update(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "intermediate_size": 512,
+                "max_window_layers": NUM_LAYERS,
+                "sliding_window": None,
+            }
+        )
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    return dict(sorted(cfg.items()))
+
+
+def generation_config(cfg: dict) -> dict:
+    return {
+        "bos_token_id": cfg["bos_token_id"],
+        "do_sample": False,
+        "eos_token_id": [cfg["eos_token_id"], cfg["pad_token_id"]],
+        "pad_token_id": cfg["pad_token_id"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shape: Tuple[int, ...]
+    # "proj", "embed", "lm_head", "router", "conv", "A_log", "dt_bias", "gate_scalar",
+    # "norm1" (RMSNorm computing x * w), "norm0" (Qwen3-Next's x * (1 + w)), "qk_norm1/0"
+    kind: str
+    fan_in: int = 1
+
+
+def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
+    h = cfg["hidden_size"]
+    v = cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+    gemma_norm = arch == "qwen3_next"  # Qwen3-Next RMSNorms compute x * (1 + w)
+    norm_kind = "norm0" if gemma_norm else "norm1"
+    specs: List[Tuple[str, _Spec]] = [("model.embed_tokens.weight", _Spec((v, h), "embed"))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs.append((p + "input_layernorm.weight", _Spec((h,), norm_kind)))
+        specs.append((p + "post_attention_layernorm.weight", _Spec((h,), norm_kind)))
+        interval = cfg.get("full_attention_interval")  # Qwen3-Next only
+        if interval and (i + 1) % interval != 0:  # gated DeltaNet layer
+            nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+            dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+            kdim, vdim = nk * dk, nv * dv
+            conv_dim = 2 * kdim + vdim
+            a = p + "linear_attn."
+            specs += [
+                (a + "in_proj_qkvz.weight", _Spec((2 * kdim + 2 * vdim, h), "proj", h)),
+                (a + "in_proj_ba.weight", _Spec((2 * nv, h), "proj", h)),
+                (a + "conv1d.weight", _Spec((conv_dim, 1, cfg["linear_conv_kernel_dim"]), "conv")),
+                (a + "dt_bias", _Spec((nv,), "dt_bias")),
+                (a + "A_log", _Spec((nv,), "A_log")),
+                (a + "norm.weight", _Spec((dv,), "norm1")),
+                (a + "out_proj.weight", _Spec((h, vdim), "proj", vdim)),
+            ]
+        else:
+            a = p + "self_attn."
+            q_out = nh * hd * (2 if arch == "qwen3_next" else 1)  # Qwen3-Next: query + gate
+            specs += [
+                (a + "q_proj.weight", _Spec((q_out, h), "proj", h)),
+                (a + "k_proj.weight", _Spec((nkv * hd, h), "proj", h)),
+                (a + "v_proj.weight", _Spec((nkv * hd, h), "proj", h)),
+                (a + "o_proj.weight", _Spec((h, nh * hd), "proj", nh * hd)),
+                (a + "q_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
+                (a + "k_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
+            ]
+        m = p + "mlp."
+        specs.append((m + "gate.weight", _Spec((e, h), "router", h)))
+        for j in range(e):
+            x = f"{m}experts.{j}."
+            specs += [
+                (x + "gate_proj.weight", _Spec((mi, h), "proj", h)),
+                (x + "up_proj.weight", _Spec((mi, h), "proj", h)),
+                (x + "down_proj.weight", _Spec((h, mi), "proj", mi)),
+            ]
+        if arch == "qwen3_next":
+            si = cfg["shared_expert_intermediate_size"]
+            specs += [
+                (m + "shared_expert.gate_proj.weight", _Spec((si, h), "proj", h)),
+                (m + "shared_expert.up_proj.weight", _Spec((si, h), "proj", h)),
+                (m + "shared_expert.down_proj.weight", _Spec((h, si), "proj", si)),
+                (m + "shared_expert_gate.weight", _Spec((1, h), "gate_scalar", h)),
+            ]
+    specs.append(("model.norm.weight", _Spec((h,), "norm0" if gemma_norm else "norm1")))
+    specs.append(("lm_head.weight", _Spec((v, h), "lm_head", h)))
+    return specs
+
+
+def _generator(seed: int, name: str):
+    import torch
+
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return g
+
+
+def _make_tensor(seed: int, name: str, spec: _Spec):
+    import torch
+
+    g = _generator(seed, name)
+    shape = spec.shape
+
+    def normal(std: float):
+        return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+    k = spec.kind
+    if k == "proj":
+        t = normal(PROJ_GAIN / math.sqrt(spec.fan_in))
+    elif k == "embed":
+        t = normal(EMBED_STD)
+    elif k == "router":
+        t = normal(ROUTER_LOGIT_STD / math.sqrt(spec.fan_in))
+    elif k == "lm_head":
+        t = torch.randn(shape, generator=g, dtype=torch.float32)
+        row_scale = torch.exp(
+            torch.randn((shape[0], 1), generator=g, dtype=torch.float32) * LM_HEAD_ROW_SCALE_SIGMA
+        )
+        row_scale = row_scale / row_scale.pow(2).mean().sqrt()
+        t = t * row_scale * (LOGIT_STD / math.sqrt(spec.fan_in))
+    elif k == "qk_norm1":
+        t = QK_NORM_SCALE + normal(NORM_WEIGHT_STD)
+    elif k == "qk_norm0":
+        t = (QK_NORM_SCALE - 1.0) + normal(NORM_WEIGHT_STD)
+    elif k == "norm1":
+        t = 1.0 + normal(NORM_WEIGHT_STD)
+    elif k == "norm0":
+        t = normal(NORM_WEIGHT_STD)
+    elif k == "conv":
+        # depthwise causal conv: weight on the current token ~1, earlier taps small, so q/k/v
+        # keep the scale of the projections and still mix a few previous tokens
+        t = normal(0.3)
+        t[..., -1] += 1.0
+    elif k == "A_log":
+        # A log-uniform in [A_MIN, A_MAX]: with softplus(a + dt_bias) ~ 0.13 the per-token
+        # state decay exp(-A * dt) spans memories of a few to a few hundred tokens
+        u = torch.rand(shape, generator=g, dtype=torch.float32)
+        t = math.log(A_MIN) + u * (math.log(A_MAX) - math.log(A_MIN))
+    elif k == "dt_bias":
+        t = DT_BIAS + normal(0.25)
+    elif k == "gate_scalar":
+        t = normal(1.0 / math.sqrt(spec.fan_in))
+    else:  # pragma: no cover
+        raise AssertionError(k)
+    return t.to(torch.bfloat16).contiguous()
+
+
+def make_state_dict(arch: str, seed: int = DEFAULT_SEED, cfg: Optional[dict] = None):
+    """{name: bfloat16 tensor} for ``arch`` (deterministic)."""
+    cfg = cfg or model_config(arch)
+    return {name: _make_tensor(seed, name, spec) for name, spec in _weight_specs(arch, cfg)}
+
+
+def _json_text(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def build(
+    arch: str = DEFAULT_ARCH,
+    out_dir: os.PathLike | str = "tiny-model",
+    seed: int = DEFAULT_SEED,
+    force: bool = False,
+    use_tokenizer_cache: bool = True,
+) -> Path:
+    """Write the tiny model for ``arch`` into ``out_dir``; returns the directory.
+
+    The directory is written next to its final place and renamed into it, so a reader never
+    sees half a model. An existing non-empty ``out_dir`` is an error unless ``force``.
+    """
+    from safetensors.torch import save_file
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    out = Path(out_dir).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise FileExistsError(f"{out} exists and is not empty (use force=True / --force)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    cfg = model_config(arch)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(_json_text(cfg), encoding="utf-8")
+        (tmp / "generation_config.json").write_text(
+            _json_text(generation_config(cfg)), encoding="utf-8"
+        )
+        tok_mod.write_tokenizer(tmp, MAX_POSITION_EMBEDDINGS, use_cache=use_tokenizer_cache)
+        state = make_state_dict(arch, seed, cfg)
+        save_file(
+            state,
+            str(tmp / "model.safetensors"),
+            # a single key: safetensors writes metadata from a hash map, so with several keys
+            # their order (and the file bytes) would vary from run to run
+            metadata={"format": "pt"},
+        )
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def param_count(arch: str) -> int:
+    cfg = model_config(arch)
+    return sum(math.prod(s.shape) for _, s in _weight_specs(arch, cfg))

@@ -1,0 +1,66 @@
+"""Fixtures for the tiny-model tests.
+
+``sglang.test.tiny_models`` lives in this repository (python/sglang/test/tiny_models) and is
+linked into the installed sglang package by ``scripts/patch_queue.py apply``. When it is not
+linked yet, the package is imported straight from the repository under the same name.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PKG_DIR = REPO / "python" / "sglang" / "test" / "tiny_models"
+TRACES = Path(os.environ.get("SGLANG_TRACES_DIR", "/work/shared/traces"))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _import_tiny_models():
+    try:
+        mod = importlib.import_module("sglang.test.tiny_models")
+        if Path(mod.__file__).resolve().parent == PKG_DIR.resolve():
+            return mod
+    except ImportError:
+        pass
+    # Not linked (or linked elsewhere): load this checkout's copy as sglang.test.tiny_models.
+    for name in [n for n in sys.modules if n.startswith("sglang.test.tiny_models")]:
+        del sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        "sglang.test.tiny_models",
+        PKG_DIR / "__init__.py",
+        submodule_search_locations=[str(PKG_DIR)],
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sglang.test.tiny_models"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tiny_models = _import_tiny_models()
+
+
+@pytest.fixture(scope="session")
+def tm():
+    return tiny_models
+
+
+@pytest.fixture(scope="session")
+def next_dir(tmp_path_factory):
+    return tiny_models.build("qwen3_next", tmp_path_factory.mktemp("m") / "qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    return tiny_models.build("qwen3_moe", tmp_path_factory.mktemp("m") / "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(next_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(next_dir))
