@@ -17,7 +17,7 @@ $(MODEL)/config.json: | setup
 model: $(MODEL)/config.json
 
 serve: setup model
-	bash scripts/serve.sh $(MODEL) $(PORT)
+	bash scripts/serve.sh $(MODEL) $(PORT) $(ARGS)
 
 check-patches: setup
 	$(PY) scripts/patch_queue.py check --wheel $(SGLANG_WHEEL)

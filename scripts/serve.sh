@@ -5,14 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-.models/qwen3-next-tiny}; PORT=${2:-30000}; shift $(( $# > 2 ? 2 : $# ))
-PY=.venv/bin/python
+PY=${PYTHON:-.venv/bin/python}
 ARGS=(--model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
-      --tool-call-parser qwen25 --reasoning-parser qwen3)
+      --tool-call-parser qwen25 --reasoning-parser qwen3 --enable-cache-report)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   :
 else
   export SGLANG_USE_CPU_ENGINE=1
-  ARGS+=(--device cpu --attention-backend torch_native --disable-overlap-schedule)
+  # Host memory is shared with everything else on a CPU machine: size the pools explicitly
+  # (upstream's default takes ~70% of free RAM). 512K KV tokens fit two full-context requests;
+  # 256 recurrent-state slots cover running requests plus cached prefixes of hybrid models.
+  ARGS+=(--device cpu --attention-backend torch_native --disable-overlap-schedule
+         --max-total-tokens 524288 --max-mamba-cache-size 256)
 fi
 cat <<MSG
 Starting SGLang on http://127.0.0.1:$PORT  (model: $MODEL)

@@ -47,6 +47,7 @@ installed=$($PY -c "import importlib.metadata as m; print(m.version('sglang'))" 
 state=$($PY scripts/patch_queue.py status --site-packages "$SITE" 2>/dev/null || echo missing)
 if [ "$installed" != "$SGLANG_VERSION" ] || [ "$state" = stale ] || [ ! -d "$SITE/sglang" ]; then
   echo "== installing pristine sglang==$SGLANG_VERSION (--no-deps)"
+  rm -rf "$SITE/sglang"  # drops patched files, the series stamp and our module links
   $PIP install --force-reinstall --no-deps "$WHEEL"
 fi
 
