@@ -1,0 +1,126 @@
+"""HTTP and tokenizer helpers shared by the end-to-end endpoint tests.
+
+The tiny models have random weights, so tests assert structure and behaviour, never wording.
+Where a test needs the model to produce something specific it forces it with the server's own
+knobs (regex constraints, forced tool choice, ``logit_bias``), built from the model's tokenizer
+here.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import requests
+
+from server import Server
+
+TIMEOUT = 300
+SMALL_CONTEXT = 2048  # --context-length of the `small_ctx_server` fixture
+
+
+def _fail_message(srv: Server, r: requests.Response) -> str:
+    return f"HTTP {r.status_code}: {r.text[:2000]}\n--- server log ---\n{srv.log_tail(40)}"
+
+
+def post(srv: Server, path: str, body: dict | None = None, *, data: str | None = None,
+         stream: bool = False) -> requests.Response:
+    if data is not None:
+        return requests.post(srv.url + path, data=data, timeout=TIMEOUT, stream=stream,
+                             headers={"Content-Type": "application/json"})
+    return requests.post(srv.url + path, json=body, timeout=TIMEOUT, stream=stream)
+
+
+def ok_json(srv: Server, path: str, body: dict) -> dict:
+    r = post(srv, path, body)
+    assert r.status_code == 200, _fail_message(srv, r)
+    return r.json()
+
+
+def chat(srv: Server, **body) -> dict:
+    body.setdefault("model", "default")
+    return ok_json(srv, "/v1/chat/completions", body)
+
+
+def messages(srv: Server, **body) -> dict:
+    body.setdefault("model", "default")
+    return ok_json(srv, "/v1/messages", body)
+
+
+def sse_lines(r: requests.Response) -> Iterator[str]:
+    for line in r.iter_lines(decode_unicode=True):
+        if line:
+            yield line
+
+
+def chat_stream(srv: Server, **body) -> list[dict]:
+    """Stream a chat completion; return its JSON chunks (the stream must end with [DONE])."""
+    body.setdefault("model", "default")
+    body["stream"] = True
+    r = post(srv, "/v1/chat/completions", body, stream=True)
+    assert r.status_code == 200, _fail_message(srv, r)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    datas = [line[len("data:"):].strip() for line in sse_lines(r) if line.startswith("data:")]
+    assert datas and datas[-1] == "[DONE]", f"stream did not end with [DONE]: {datas[-3:]}"
+    chunks = [json.loads(d) for d in datas[:-1]]
+    for c in chunks:
+        assert "error" not in c, c
+    return chunks
+
+
+def messages_stream(srv: Server, **body) -> list[tuple[str, dict]]:
+    """Stream an Anthropic message; return (event, data) pairs, checking event == data.type."""
+    body.setdefault("model", "default")
+    body["stream"] = True
+    r = post(srv, "/v1/messages", body, stream=True)
+    assert r.status_code == 200, _fail_message(srv, r)
+    events, event = [], None
+    for line in sse_lines(r):
+        if line.startswith("event:"):
+            event = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            data = json.loads(line[len("data:"):].strip())
+            assert event == data["type"], (event, data)
+            events.append((event, data))
+            event = None
+    return events
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+# ------------------------------------------------------------------------------------------
+# Tokenizer-derived logit biases
+# ------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def vocab(model_dir: str) -> tuple[str, ...]:
+    """Text of every token id of the model's tokenizer (special tokens included)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return tuple(tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size()))
+
+
+def bias_where(model_dir: Path, pred: Callable[[str], bool], value: float) -> dict[str, float]:
+    return {str(i): value for i, s in enumerate(vocab(str(model_dir))) if pred(s)}
+
+
+def whitespace_ban(model_dir: Path) -> dict[str, float]:
+    """Bias every whitespace-only token to -100.
+
+    Constrained JSON allows whitespace between tokens, and a random model picks from the dozens of
+    whitespace tokens far more often than from the few tokens that advance the JSON, so forced
+    tool-call arguments would otherwise rarely finish within a small token budget. The bias
+    leaves the grammar in charge: where only whitespace is allowed, it is still produced.
+    """
+    return bias_where(model_dir, lambda s: s != "" and s.strip() == "", -100)
+
+
+def token_id(model_dir: Path, text: str) -> int:
+    ids = [i for i, s in enumerate(vocab(str(model_dir))) if s == text]
+    assert ids, f"{text!r} is not a single token of {model_dir}"
+    return ids[0]

@@ -1,0 +1,103 @@
+"""Start and stop the real `python -m sglang.launch_server` for end-to-end tests and benchmarks.
+
+The server runs from the repository's .venv with the same flags as `make serve` (CPU flags when no
+GPU is present), on a free loopback port, with its log in a file shown when startup fails.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = REPO / ".models"
+DEFAULT_MODELS = {"qwen3_next": "qwen3-next-tiny", "qwen3_moe": "qwen3-moe-tiny"}
+
+
+def ensure_model(arch: str = "qwen3_next") -> Path:
+    """Build the embedded tiny model for ``arch`` into ``.models/`` once; return its folder."""
+    out = MODELS / DEFAULT_MODELS[arch]
+    if not (out / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "sglang.test.tiny_models", "--arch", arch, "--out", str(out)],
+            check=True,
+        )
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_args(model: Path, port: int, extra: list[str] | None = None) -> list[str]:
+    """Command line of `make serve` (scripts/serve.sh, the one place the flags live)."""
+    return ["bash", str(REPO / "scripts" / "serve.sh"), str(model), str(port), *(extra or [])]
+
+
+@dataclass
+class Server:
+    """A running server; ``url`` is its base address, ``log`` its output file."""
+
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    model: Path
+    args: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and requests.get(self.url + "/health", timeout=30).status_code == 200
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def start_server(
+    model: Path, extra: list[str] | None = None, timeout_s: float = 600, env: dict | None = None
+) -> Server:
+    """Launch the server and wait until it answers /health_generate.
+
+    ``extra`` are more launch_server flags; ``env`` more environment variables.
+
+    Raises:
+        RuntimeError: the process exited or did not become ready within ``timeout_s`` seconds;
+            the message carries the end of its log.
+    """
+    port = free_port()
+    args = server_args(model, port, extra)
+    log = Path(tempfile.mkstemp(prefix=f"sglang-{port}-", suffix=".log")[1])
+    proc = subprocess.Popen(
+        args, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+    srv = Server(proc, f"http://127.0.0.1:{port}", log, model, args)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{srv.log_tail()}")
+        try:
+            if requests.get(srv.url + "/health_generate", timeout=60).status_code == 200:
+                return srv
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    srv.stop()
+    raise RuntimeError(f"server not ready after {timeout_s:.0f}s:\n{srv.log_tail()}")
