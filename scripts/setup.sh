@@ -54,6 +54,9 @@ fi
 # 3. Patch series and our modules.
 $PY scripts/patch_queue.py apply --site-packages "$SITE"
 
+# Content hash of our kernel sources: a change rebuilds the installed ops.
+kernel_hash=$(find sgl-kernel -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | sort | xargs cat | sha256sum | cut -c1-16)
+
 # 4. sgl-kernel: our CPU ops unless a real sgl-kernel CPU build is present. On CUDA machines
 #    upstream's own sglang-kernel owns the `sgl_kernel` module: our sources (CUDA included) are
 #    compiled in place to prove they build, and nothing is installed over it.
@@ -73,7 +76,6 @@ except Exception:
 sys.exit(0 if ok else 1)
 PYEOF
 then
-  kernel_hash=$(find sgl-kernel -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | sort | xargs cat | sha256sum | cut -c1-16)
   if [ -f "$VENV/.sgl-kernel-stamp" ] && [ "$(cat "$VENV/.sgl-kernel-stamp")" != "$kernel_hash" ]; then
     rebuild=1
   else
@@ -85,6 +87,6 @@ fi
 if [ "$rebuild" = 1 ]; then
   echo "== building sgl-kernel/ (our CPU ops$(has_cuda && echo ' + CUDA sources'))"
   MAX_JOBS=${MAX_JOBS:-2} $PIP install --no-build-isolation --no-deps ./sgl-kernel
-  find sgl-kernel -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | sort | xargs cat | sha256sum | cut -c1-16 > "$VENV/.sgl-kernel-stamp"
+  echo "$kernel_hash" > "$VENV/.sgl-kernel-stamp"
 fi
 echo "== setup done: $PY"
