@@ -323,6 +323,19 @@ def _openai_usage(check: StreamCheck, usage: dict) -> None:
         check.cached_tokens = details["cached_tokens"]
 
 
+def _event_object(check: StreamCheck, i: int, ev: SSEEvent) -> Optional[dict]:
+    """The JSON object carried by event ``i``, or None after recording why it is not one."""
+    try:
+        obj = json.loads(ev.data)
+    except ValueError:
+        check.problems.append(f"event {i} is not JSON: {ev.data[:80]!r}")
+        return None
+    if not isinstance(obj, dict):
+        check.problems.append(f"event {i} is not a JSON object")
+        return None
+    return obj
+
+
 def check_openai_stream(events: list[SSEEvent], expect_usage: bool = True) -> StreamCheck:
     """Check a ``/v1/chat/completions`` stream.
 
@@ -345,13 +358,8 @@ def check_openai_stream(events: list[SSEEvent], expect_usage: bool = True) -> St
             continue
         if done_at is not None:
             check.problems.append(f"event after [DONE]: {ev.data[:80]!r}")
-        try:
-            obj = json.loads(ev.data)
-        except ValueError:
-            check.problems.append(f"event {i} is not JSON: {ev.data[:80]!r}")
-            continue
-        if not isinstance(obj, dict):
-            check.problems.append(f"event {i} is not a JSON object")
+        obj = _event_object(check, i, ev)
+        if obj is None:
             continue
         if "error" in obj:
             check.problems.append(f"error event: {json.dumps(obj['error'])[:200]}")
@@ -404,13 +412,8 @@ def check_anthropic_stream(events: list[SSEEvent]) -> StreamCheck:
     for i, ev in enumerate(events):
         if check.first_event_s is None:
             check.first_event_s = ev.t
-        try:
-            obj = json.loads(ev.data)
-        except ValueError:
-            check.problems.append(f"event {i} is not JSON: {ev.data[:80]!r}")
-            continue
-        if not isinstance(obj, dict):
-            check.problems.append(f"event {i} is not a JSON object")
+        obj = _event_object(check, i, ev)
+        if obj is None:
             continue
         typ = obj.get("type")
         if ev.event is not None and typ != ev.event:
