@@ -1,0 +1,69 @@
+"""Semantic-anchor recurrent-state checkpoints for hybrid (linear + full attention) models.
+
+Paper §3.1, "Semantic anchors preserve recurrent state across context edits": agent harnesses
+edit history a whole block at a time (thinking, tool call, tool output, turn), so the prefix an
+edited prompt still shares ends at a special-token boundary. Prefill chunks are ended at those
+boundaries (:mod:`.planner`), so upstream's hybrid radix cache stores the exact recurrent state
+there; a later prompt restores from the deepest anchor it still shares and prefills only the
+rest. Markers come from the tokenizer and chat template (:mod:`.markers`); the cache subclass
+tags the stored states and exports their counters (:mod:`.cache`, :mod:`.stats`).
+
+Flags (``exec.mamba``): ``--disable-anchor-checkpoints``, ``--anchor-markers``,
+``--anchor-checkpoint-min-gap``, ``--anchor-checkpoint-max-states``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner, derive_markers
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AnchorScanner", "anchor_cache_factory", "derive_markers"]
+
+
+def _chat_template(server_args, tokenizer) -> Optional[str]:
+    path = getattr(server_args, "chat_template", None)
+    if path and Path(str(path)).is_file():
+        return Path(str(path)).read_text(encoding="utf-8")
+    return getattr(tokenizer, "chat_template", None)
+
+
+def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
+    """A constructor ``params -> AnchorRadixCache`` when anchors apply to this server, else None
+    (anchors off, attention-only model, radix cache off, extra-buffer strategy, no tokenizer)."""
+    from sglang.srt.runtime_context import get_exec
+
+    mamba = get_exec().mamba
+    if mamba.disable_anchor_checkpoints or not ctx.is_hybrid_ssm or ctx.disable_radix_cache:
+        return None
+    why_not = None
+    if ctx.params.enable_mamba_extra_buffer:
+        why_not = "the extra_buffer mamba radix cache strategy"
+    elif ctx.params.page_size != 1:
+        why_not = f"page size {ctx.params.page_size}"
+    tokenizer = getattr(ctx.tp_worker, "tokenizer", None)
+    if why_not is None and tokenizer is None:
+        why_not = "no tokenizer in the scheduler (--skip-tokenizer-init)"
+    if why_not is not None:
+        logger.warning("Anchor checkpoints are off: not supported with %s.", why_not)
+        return None
+    scanner = AnchorScanner.from_tokenizer(
+        tokenizer, markers=mamba.anchor_markers,
+        chat_template=_chat_template(ctx.server_args, tokenizer),
+    )
+    if not scanner.markers:
+        logger.warning("Anchor checkpoints are off: no markers in the tokenizer or chat template.")
+        return None
+    from sglang.srt.mem_cache.anchor_checkpoints.cache import AnchorRadixCache
+
+    return functools.partial(
+        AnchorRadixCache, scanner=scanner, min_gap=mamba.anchor_checkpoint_min_gap,
+        max_states=mamba.anchor_checkpoint_max_states,
+    )

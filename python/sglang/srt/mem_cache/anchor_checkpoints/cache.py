@@ -1,0 +1,96 @@
+"""The hybrid radix cache with semantic-anchor checkpoints.
+
+``AnchorRadixCache`` is upstream's ``UnifiedRadixCache`` (FULL + MAMBA components, no-buffer
+strategy) plus the bookkeeping of anchor checkpoints. Storage is upstream's own: a checkpoint is
+the recurrent state (every linear layer's SSM/delta state and conv state) that the mamba
+component copies into a fresh slot of the mamba state pool (``--max-mamba-cache-size`` slots,
+shared with running requests) when a chunk ends at an anchor; the tree node ending at the anchor
+holds it, and upstream's mamba LRU recycles it, apart from the KV pool's eviction. This class
+only tags those slots, observes their eviction, optionally caps the states the tree holds, and
+owns the :class:`AnchorPlanner` that ``PrefillAdder`` asks where chunks end.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
+from sglang.srt.mem_cache.anchor_checkpoints.planner import AnchorPlanner
+from sglang.srt.mem_cache.anchor_checkpoints.stats import AnchorStats
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.unified_cache.cache_action import FreeComponentDeviceSlot
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+logger = logging.getLogger(__name__)
+
+
+class AnchorRadixCache(UnifiedRadixCache):
+    """``UnifiedRadixCache`` whose chunk ends at anchors are tagged as anchor checkpoints.
+
+    Invariants: every tagged slot is a mamba state value of a tree node (tags are dropped when
+    the tree frees the slot or is reset); a tag's position is the depth of that node.
+    """
+
+    def __init__(self, params: CacheInitParams, scanner: AnchorScanner, *, min_gap: int,
+                 max_states: int = -1) -> None:
+        super().__init__(params)
+        assert self.is_mamba_enabled and not self.enable_mamba_extra_buffer, (
+            "anchor checkpoints need the no-buffer hybrid (mamba) radix cache"
+        )
+        labels = self.metrics_collector.labels if getattr(self, "metrics_collector", None) else None
+        self.anchor_stats = AnchorStats(labels)
+        self.anchor_planner = AnchorPlanner(scanner, min_gap, self.anchor_stats)
+        self.anchor_max_states = max_states
+        logger.info(
+            "Anchor checkpoints on: %d markers %s, min gap %d tokens, tree state cap %s",
+            len(scanner.markers), list(scanner.markers), min_gap,
+            max_states if max_states > 0 else "none (the mamba state pool)",
+        )
+
+    # ---- tagging ------------------------------------------------------------------------
+
+    def checkpoint_into_tree(self, req: Req, *, up_to: int, **kwargs) -> None:
+        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        if req.finished() or not self.anchor_planner.is_cut(req, up_to):
+            return
+        # The insert ends on the node of depth up_to (page 1), unless it was skipped.
+        if req.kv.cache_protected_len != up_to:
+            return
+        value = self.tree_core.get_component_device_value(req.last_node, ComponentType.MAMBA)
+        if value is None:
+            return
+        self.anchor_stats.on_saved(int(value.view(-1)[0]), up_to)
+        if self.anchor_max_states > 0:
+            self._enforce_state_cap()
+
+    def _enforce_state_cap(self) -> None:
+        held = self.tree_core.mamba_evictable_size() + self.tree_core.mamba_protected_size()
+        excess = held - self.anchor_max_states
+        if excess > 0:
+            self.evict(EvictParams(num_tokens=0, mamba_num=excess))
+
+    # ---- observing frees -----------------------------------------------------------------
+
+    def _apply_cache_action(self, action) -> None:
+        if (
+            isinstance(action, FreeComponentDeviceSlot)
+            and action.component_type == ComponentType.MAMBA
+            and self.anchor_stats.slots
+        ):
+            for indices in action.indices:
+                for slot in indices.view(-1).tolist():
+                    self.anchor_stats.on_freed(int(slot))
+        super()._apply_cache_action(action)
+
+    def reset(self) -> None:
+        super().reset()
+        # __init__ runs reset() before the stats exist.
+        stats = getattr(self, "anchor_stats", None)
+        if stats is not None:
+            stats.on_reset()
+

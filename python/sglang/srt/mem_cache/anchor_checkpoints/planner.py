@@ -1,0 +1,109 @@
+"""Where a prefill chunk ends so that the recurrent state at an anchor gets saved.
+
+A recurrent (gated DeltaNet / Mamba) layer's exact state at position ``p`` exists only when a
+forward pass ends at ``p``. Upstream's no-buffer hybrid radix cache already inserts the state at
+every prefill chunk end (``checkpoint_kv_cache``) and at the request end, so ending a chunk at an
+anchor is all it takes to store an exact checkpoint there: the tree node ending at the anchor
+gets a copy of the state, and a later prompt that shares the prefix up to the anchor matches it
+(the mamba match validator stops at the deepest node holding a state, on any position).
+
+The planner is the one seam into the scheduler: ``PrefillAdder`` asks :meth:`AnchorPlanner.cut`
+how long the next chunk of a request may be. Cuts are spaced: an anchor is used only if it lies
+at least ``min_gap`` tokens after the chunk start (the previous cut or the restored prefix), so a
+prompt of ``n`` new tokens costs at most ``n / min_gap`` extra forward passes, and every anchor
+keeps a saved state fewer than ``min_gap`` tokens before it. Anchors in the last
+``TAIL_TOKENS`` tokens of a prompt are not cut: the prompt end is saved anyway.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+TAIL_TOKENS = 8
+
+
+class AnchorPlanner:
+    """Chooses anchor cuts per request and remembers them for the cache (see module doc)."""
+
+    def __init__(self, scanner: AnchorScanner, min_gap: int, stats=None) -> None:
+        assert min_gap >= 1, min_gap
+        self.scanner = scanner
+        self.min_gap = min_gap
+        self.stats = stats  # AnchorStats or None
+
+    # ---- per-request anchor positions --------------------------------------------------
+
+    def positions(self, req: Req, start: int) -> np.ndarray:
+        """Anchor positions of the request's fill ids from ``start`` on (cached on the request:
+        fill ids do not change while a request prefills)."""
+        ids = req.full_untruncated_fill_ids
+        cached = getattr(req, "_anchor_positions", None)
+        if cached is not None and cached[0] is ids and cached[1] == len(ids) and cached[2] <= start:
+            return cached[3]
+        pos = self.scanner.scan(ids, start)
+        req._anchor_positions = (ids, len(ids), start, pos)
+        return pos
+
+    def next_cut(self, req: Req, prefix_len: int, extend_len: int) -> Optional[int]:
+        """The first usable anchor in ``(prefix_len, prefix_len + extend_len)``, or None."""
+        if extend_len <= self.min_gap or req.multimodal_inputs is not None:
+            return None
+        total = len(req.full_untruncated_fill_ids)
+        limit = min(prefix_len + extend_len, total - TAIL_TOKENS + 1)
+        lo = prefix_len + self.min_gap
+        if lo >= limit:
+            return None
+        pos = self.positions(req, prefix_len)
+        i = int(np.searchsorted(pos, lo, side="left"))
+        if i < len(pos) and pos[i] < limit:
+            return int(pos[i])
+        return None
+
+    # ---- the scheduler seam ------------------------------------------------------------
+
+    def admit(self, req: Req, prefix_len: int, extend_len: int, *, may_cut: bool = True) -> int:
+        """Length of the first chunk of ``req``, being admitted with ``prefix_len`` tokens
+        matched: ``extend_len``, or shorter so that it ends at an anchor (only if ``may_cut``:
+        the scheduler tracks one chunked request at a time)."""
+        self._on_admission(req, prefix_len)
+        return self.cut(req, prefix_len, extend_len) if may_cut else extend_len
+
+    def cut(self, req: Req, prefix_len: int, extend_len: int) -> int:
+        """Length of the next chunk of ``req``: ``extend_len``, or shorter so that it ends at an
+        anchor."""
+        at = self.next_cut(req, prefix_len, extend_len)
+        if at is None:
+            return extend_len
+        cuts = getattr(req, "_anchor_cuts", None)
+        if cuts is None:
+            cuts = req._anchor_cuts = set()
+        cuts.add(at)
+        return at - prefix_len
+
+    def is_cut(self, req: Req, up_to: int) -> bool:
+        """Whether a chunk of ``req`` was ended at ``up_to`` for an anchor."""
+        cuts = getattr(req, "_anchor_cuts", None)
+        return cuts is not None and up_to in cuts
+
+    def _on_admission(self, req: Req, prefix_len: int) -> None:
+        # Admission may be retried (no memory): account a request once per matched prefix.
+        key = (prefix_len, len(req.full_untruncated_fill_ids))
+        if getattr(req, "_anchor_admitted", None) == key:
+            return
+        req._anchor_admitted = key
+        if self.stats is not None:
+            self.stats.on_admission(req, prefix_len)
+
+
+def anchor_planner_of(tree_cache) -> Optional[AnchorPlanner]:
+    """The planner ``PrefillAdder`` consults, or None when anchors are off for this cache."""
+    return getattr(tree_cache, "anchor_planner", None)

@@ -1,0 +1,133 @@
+"""Bookkeeping of anchor checkpoints: which tree-held state slots sit at an anchor, and the
+counters SGLang exports with ``--enable-metrics`` (scheduler process, Prometheus).
+
+A checkpoint is identified by its state slot (an index into the mamba state pool) while the
+radix tree holds it: tagged when a chunk that ended at an anchor is inserted, untagged when the
+tree frees the slot (eviction) or the tree is flushed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+_TOKEN_BUCKETS = [0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576]
+
+
+@dataclass
+class AnchorCounters:
+    """Cumulative counts since start (tokens are prompt tokens)."""
+
+    saved: int = 0
+    restored: int = 0
+    evicted: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    anchor_reused_tokens: int = 0
+
+
+class AnchorStats:
+    """Slot tags and counters; Prometheus series when ``labels`` is given (metrics enabled)."""
+
+    def __init__(self, labels: Optional[dict[str, str]] = None) -> None:
+        self.slots: dict[int, int] = {}  # state slot -> anchor position (prefix length)
+        self.counters = AnchorCounters()
+        self._prom = None
+        if labels is not None:
+            self._prom = _PromSeries(labels)
+
+    @property
+    def held(self) -> int:
+        """Anchor checkpoints the tree holds now."""
+        return len(self.slots)
+
+    def on_saved(self, slot: int, position: int) -> None:
+        """A chunk ending at anchor ``position`` was inserted; the tree's state there is ``slot``."""
+        if self.slots.get(slot) == position:
+            return
+        self.slots[slot] = position
+        self.counters.saved += 1
+        if self._prom is not None:
+            self._prom.saved.inc()
+            self._prom.held.set(self.held)
+
+    def on_freed(self, slot: int) -> None:
+        """The tree freed state ``slot`` (eviction)."""
+        if self.slots.pop(slot, None) is not None:
+            self.counters.evicted += 1
+            if self._prom is not None:
+                self._prom.evicted.inc()
+                self._prom.held.set(self.held)
+
+    def on_reset(self) -> None:
+        """The tree was flushed: its slots are gone without eviction."""
+        self.slots.clear()
+        if self._prom is not None:
+            self._prom.held.set(0)
+
+    def on_admission(self, req: Req, prefix_len: int) -> None:
+        """A request is admitted with ``prefix_len`` tokens from the cache."""
+        total = len(req.full_untruncated_fill_ids)
+        src = req.kv.mamba_cow_src_index
+        restored = (
+            prefix_len > 0
+            and src is not None
+            and self.slots.get(int(src.view(-1)[0])) == prefix_len
+        )
+        req.anchor_restored = restored
+        c = self.counters
+        c.reused_tokens += prefix_len
+        c.recomputed_tokens += total - prefix_len
+        if restored:
+            c.restored += 1
+            c.anchor_reused_tokens += prefix_len
+        if self._prom is not None:
+            self._prom.reused.observe(prefix_len)
+            self._prom.recomputed.observe(total - prefix_len)
+            if restored:
+                self._prom.restored.inc()
+
+
+class _PromSeries:
+    def __init__(self, labels: dict[str, str]) -> None:
+        # prometheus_client must be imported after PROMETHEUS_MULTIPROC_DIR is set (it is,
+        # in the scheduler process).
+        from prometheus_client import Counter, Gauge, Histogram
+
+        names = list(labels)
+
+        def counter(name, doc):
+            return Counter(name=name, documentation=doc, labelnames=names).labels(**labels)
+
+        self.saved = counter(
+            "sglang:anchor_checkpoints_saved_total",
+            "Recurrent-state checkpoints stored at semantic anchors (prefill chunks ended at an anchor).",
+        )
+        self.restored = counter(
+            "sglang:anchor_checkpoints_restored_total",
+            "Requests whose cached prefix ended on an anchor checkpoint.",
+        )
+        self.evicted = counter(
+            "sglang:anchor_checkpoints_evicted_total",
+            "Anchor checkpoints freed by the radix tree's state eviction (LRU).",
+        )
+        self.held = Gauge(
+            name="sglang:anchor_checkpoints_held",
+            documentation="Anchor checkpoints held by the radix tree now.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        ).labels(**labels)
+        self.reused = Histogram(
+            name="sglang:prefill_reused_tokens",
+            documentation="Prompt tokens served from the prefix cache, per admitted request.",
+            labelnames=names,
+            buckets=_TOKEN_BUCKETS,
+        ).labels(**labels)
+        self.recomputed = Histogram(
+            name="sglang:prefill_recomputed_tokens",
+            documentation="Prompt tokens prefilled (not served from the prefix cache), per admitted request.",
+            labelnames=names,
+            buckets=_TOKEN_BUCKETS,
+        ).labels(**labels)
