@@ -10,6 +10,13 @@ in order. One line is printed per request, then one per session, and last:
 where ``reusable`` is, per request, the longest token prefix (after the chat template) it shares
 with any earlier request of its session, and ``cached`` is what the server reported as served
 from its prefix cache. Exit status 1 if any request failed or returned a malformed stream.
+
+``--compare`` replays the same folder twice in one invocation, each on its own server: anchor
+checkpoints off (``--disable-anchor-checkpoints``, upstream's hybrid cache) then on (the default).
+It prints both runs' lines, a per-request table (cached tokens and TTFT in both modes), both
+summary lines, and last:
+
+    wasted_tokens_off=X wasted_tokens_on=Y reuse_ratio_off=A reuse_ratio_on=B ...
 """
 from __future__ import annotations
 
@@ -58,7 +65,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="seconds to wait for each read of a reply, first byte included")
     p.add_argument("--no-flush", action="store_true",
                    help="do not empty the prefix cache before each session")
-    return p.parse_args(argv)
+    p.add_argument("--compare", action="store_true",
+                   help="replay twice, anchor checkpoints off then on (a server each; not with --url)")
+    args = p.parse_args(argv)
+    if args.compare and args.url:
+        p.error("--compare starts its own servers (anchors off, then on); drop --url")
+    return args
 
 
 def replay(url: str, sessions: list, args: argparse.Namespace,
@@ -91,9 +103,61 @@ def with_server(args: argparse.Namespace, extra: list[str], fn: Callable[[str], 
         srv.stop()
 
 
+# Server flags of the two --compare modes (anchor checkpoints are on by default on hybrid models).
+COMPARE_MODES = (("off", ["--disable-anchor-checkpoints"]), ("on", []))
+
+
+def _ttft(r) -> str:
+    return "-" if r.check.ttft_s is None else f"{r.check.ttft_s:.2f}"
+
+
+def compare_table(off: list, on: list) -> list[str]:
+    """Per-request lines of a --compare run: tokens, cached tokens and TTFT (s) in both modes."""
+    lines = ["# session file prompt reusable cached_off cached_on ttft_off_s ttft_on_s"]
+    for a, b in zip(off, on):
+        lines.append(
+            f"{a.capture.session} {a.capture.file} prompt={a.check.prompt_tokens} "
+            f"reusable={a.reusable_tokens} cached_off={a.cached_tokens} cached_on={b.cached_tokens} "
+            f"ttft_off={_ttft(a)} ttft_on={_ttft(b)}"
+        )
+    return lines
+
+
+def compare_line(off: "ar.ReplaySummary", on: "ar.ReplaySummary", off_ttft: float,
+                 on_ttft: float) -> str:
+    """The last line of --compare: its figures as name=value."""
+    return (
+        f"wasted_tokens_off={off.wasted_tokens} wasted_tokens_on={on.wasted_tokens} "
+        f"reuse_ratio_off={off.reuse_ratio:.3f} reuse_ratio_on={on.reuse_ratio:.3f} "
+        f"ttft_sum_off={off_ttft:.1f}s ttft_sum_on={on_ttft:.1f}s"
+    )
+
+
+def main_compare(args: argparse.Namespace, sessions: list) -> int:
+    runs = {}
+    for mode, extra in COMPARE_MODES:
+        print(f"# anchors={mode}", flush=True)
+        results = with_server(
+            args, extra,
+            lambda url, mode=mode: replay(url, sessions, args,
+                                          lambda s: print(f"[{mode}] {s}", flush=True)),
+        )
+        runs[mode] = [r for sr in results for r in sr.results]
+    for line in compare_table(runs["off"], runs["on"]):
+        print(line)
+    summaries = {m: ar.ReplaySummary.of(rs) for m, rs in runs.items()}
+    ttft = {m: sum(r.check.ttft_s or 0.0 for r in rs) for m, rs in runs.items()}
+    for mode, _ in COMPARE_MODES:
+        print(summaries[mode].line(f"anchors={mode} agent_replay"))
+    print(compare_line(summaries["off"], summaries["on"], ttft["off"], ttft["on"]), flush=True)
+    return 1 if any(s.failed for s in summaries.values()) else 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     sessions = ar.discover_sessions(args.traces)
+    if args.compare:
+        return main_compare(args, sessions)
     results = with_server(
         args, [], lambda url: replay(url, sessions, args, lambda s: print(s, flush=True))
     )
