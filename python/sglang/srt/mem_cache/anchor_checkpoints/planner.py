@@ -43,14 +43,15 @@ class AnchorPlanner:
     # ---- per-request anchor positions --------------------------------------------------
 
     def positions(self, req: Req, start: int) -> np.ndarray:
-        """Anchor positions of the request's fill ids from ``start`` on (cached on the request:
-        fill ids do not change while a request prefills)."""
+        """Anchor positions of the request's fill ids from ``start`` on, cached on the request:
+        its fill ids only grow (output tokens of a retracted request), so a scan stays valid
+        while their length does."""
         ids = req.full_untruncated_fill_ids
         cached = getattr(req, "_anchor_positions", None)
-        if cached is not None and cached[0] is ids and cached[1] == len(ids) and cached[2] <= start:
-            return cached[3]
+        if cached is not None and cached[0] == len(ids) and cached[1] <= start:
+            return cached[2]
         pos = self.scanner.scan(ids, start)
-        req._anchor_positions = (ids, len(ids), start, pos)
+        req._anchor_positions = (len(ids), start, pos)
         return pos
 
     def next_cut(self, req: Req, prefix_len: int, extend_len: int) -> Optional[int]:

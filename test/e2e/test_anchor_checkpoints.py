@@ -1,0 +1,256 @@
+"""Anchor checkpoints on the real server: edited agent histories restore from the anchor, and the
+output is the same as with anchors off.
+
+Two float32 servers of the tiny hybrid Qwen3-Next (``SGLANG_MAMBA_CONV_DTYPE=float32``, as the
+parity test), one after the other: ``--disable-anchor-checkpoints`` (upstream) and the default
+(anchors on). For each edited history, the cache is flushed, the first request is sent, then the
+edited second one, greedy with output logprobs. Checks:
+
+- greedy tokens identical with anchors on and off, logprobs within the parity tolerance;
+- with anchors on, the second request's ``cached_tokens`` is exactly the anchor checkpoint the
+  server should have stored while prefilling the first one (the planner's cuts replayed here)
+  at most ``min_gap`` tokens before the edit, and more than with anchors off;
+- the anchor counters (``--enable-metrics``) count the saves and restores.
+
+Edits: OpenClaw's trailing internal-context message moved after new turns; OpenCode's old tool
+output cleared; the Qwen3-style template dropping reasoning once a new user query arrives;
+``/v1/messages`` without the thinking blocks of earlier turns; a restore in the middle of a
+multi-token marker (``<tools>`` is three tokens in this tokenizer); a prompt ending exactly at
+an anchor.
+"""
+from __future__ import annotations
+
+import random
+import re
+import types
+
+import pytest
+import requests
+
+from server import ensure_model, start_server
+from test_parity import LOGPROB_ATOL
+
+from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
+from sglang.srt.mem_cache.anchor_checkpoints.planner import AnchorPlanner
+from sglang.test.agent_replay import flush_cache
+
+NEW_TOKENS = 12
+MIN_GAP = 64  # the server default
+CHUNK = 4096  # chunked_prefill_size of the CPU server
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    vocab = ["alpha", "beta", "gamma", "delta", "file", "line", "value", "agent", "tool", "read",
+             "write", "check", "result", "output", "error", "path", "count", "word", "next"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+def _call(path: str) -> dict:
+    return {"type": "function", "function": {"name": "read", "arguments": {"path": path}}}
+
+
+def _chat_cases(tok) -> dict[str, tuple[list[int], list[int]]]:
+    rng = random.Random(7)
+
+    def ids(msgs):
+        return tok.apply_chat_template(msgs, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+    system = {"role": "system", "content": "You are a coding agent. " + _words(rng, 60)}
+    user1 = {"role": "user", "content": "Look at a.txt. " + _words(rng, 40)}
+    a1 = {"role": "assistant", "reasoning_content": _words(rng, 50), "content": _words(rng, 15),
+          "tool_calls": [_call("a.txt")]}
+    tool1 = {"role": "tool", "content": _words(rng, 120)}
+    a2 = {"role": "assistant", "reasoning_content": _words(rng, 40), "content": _words(rng, 10),
+          "tool_calls": [_call("b.txt")]}
+    tool2 = {"role": "tool", "content": _words(rng, 100)}
+    internal = {"role": "user", "content": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> " + _words(rng, 50)}
+    user2 = {"role": "user", "content": "Now b.txt please. " + _words(rng, 20)}
+    cleared = dict(tool1, content="[Old tool result content cleared]")
+    a3 = {"role": "assistant", "reasoning_content": _words(rng, 30), "content": "",
+          "tool_calls": [_call("c.txt")]}
+    tool3 = {"role": "tool", "content": _words(rng, 60)}
+    return {
+        # OpenClaw: the trailing internal-context message moves behind the new turns.
+        "openclaw_trailing_message": (
+            ids([system, user1, a1, tool1, internal]),
+            ids([system, user1, a1, tool1, a2, tool2, internal]),
+        ),
+        # OpenCode: an old tool output becomes a placeholder in place.
+        "opencode_old_tool_output_cleared": (
+            ids([system, user1, a1, tool1, user2, a2, tool2]),
+            ids([system, user1, a1, cleared, user2, a2, tool2, a3, tool3]),
+        ),
+        # Qwen3-style template: a1's reasoning is dropped once user2 is the last user query.
+        "qwen3_template_drops_reasoning": (
+            ids([system, user1, a1, tool1]),
+            ids([system, user1, a1, tool1, a2, tool2, user2]),
+        ),
+    }
+
+
+def _token_cases(tok) -> dict[str, tuple[list[int], list[int]]]:
+    rng = random.Random(11)
+    plain = lambda n: tok.encode(" " + _words(rng, n), add_special_tokens=False)  # noqa: E731
+    marker = tok.encode(" <tools>", add_special_tokens=False)
+    assert len(marker) >= 3, "the test needs <tools> to be several tokens"
+    head, tail = plain(90), plain(90)
+    first = head + marker + tail
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    ends = plain(150) + [im_start]
+    return {
+        # The second prompt shares the first up to the middle of the multi-token marker.
+        "restore_mid_multitoken_marker": (first, head + marker[:2] + plain(40)),
+        # The first prompt ends exactly at an anchor (after <|im_start|>).
+        "prompt_ends_at_anchor": (ends, ends + plain(30)),
+    }
+
+
+def _anthropic_case(url: str) -> tuple[list[int], list[int]]:
+    from sglang.test.agent_replay import AnthropicPromptIds
+
+    rng = random.Random(5)
+    conv = AnthropicPromptIds(url)
+    think = {"type": "thinking", "thinking": _words(rng, 60), "signature": "x"}
+    use = {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "a.txt"}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                           "content": _words(rng, 80)}]}
+    tools = [{"name": "read", "description": "Read a file",
+              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+    base = {"model": "default", "max_tokens": 8, "system": "You are Claude Code. " + _words(rng, 60),
+            "tools": tools}
+    user1 = {"role": "user", "content": "Read a.txt. " + _words(rng, 30)}
+    first = dict(base, messages=[user1, {"role": "assistant", "content": [think, use]}, result])
+    second = dict(base, messages=[
+        user1, {"role": "assistant", "content": [use]}, result,  # earlier thinking dropped
+        {"role": "assistant", "content": [{"type": "text", "text": _words(rng, 20)}]},
+        {"role": "user", "content": "And b.txt? " + _words(rng, 20)},
+    ])
+    return conv(first), conv(second)
+
+
+def _generate(url: str, ids: list[int], n: int) -> dict:
+    r = requests.post(url + "/generate", json={
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+        "return_logprob": True, "logprob_start_len": -1,
+    }, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]
+
+
+def _run_cases(url: str, cases: dict) -> dict[str, dict]:
+    out = {}
+    for name, (first, second) in cases.items():
+        flush_cache(url)  # retried while the server is busy
+        _generate(url, first, 2)
+        meta = _generate(url, second, NEW_TOKENS)
+        out[name] = {
+            "cached": meta["cached_tokens"],
+            "tokens": [t[1] for t in meta["output_token_logprobs"]],
+            "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+        }
+    return out
+
+
+def _anchor_metrics(url: str) -> dict[str, float]:
+    text = requests.get(url + "/metrics", timeout=60).text
+    got = {}
+    for name in ("saved", "restored", "evicted"):
+        m = re.search(rf"^sglang:anchor_checkpoints_{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
+        got[name] = float(m.group(1)) if m else None
+    return got
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both servers' results for every case: {"off": {case: result}, "on": {...}}, plus the
+    cases and the anchors-on server's metrics."""
+    from transformers import AutoTokenizer
+
+    model = ensure_model("qwen3_next")
+    tok = AutoTokenizer.from_pretrained(model)
+    cases = {**_chat_cases(tok), **_token_cases(tok)}
+    results, metrics = {}, None
+    for mode, extra in (("off", ["--disable-anchor-checkpoints"]), ("on", [])):
+        srv = start_server(model, ["--dtype", "float32", "--enable-metrics", *extra],
+                           env={"SGLANG_MAMBA_CONV_DTYPE": "float32"})
+        try:
+            if "messages_drop_thinking_blocks" not in cases:
+                cases["messages_drop_thinking_blocks"] = _anthropic_case(srv.url)
+            results[mode] = _run_cases(srv.url, cases)
+            if mode == "on":
+                metrics = _anchor_metrics(srv.url)
+        finally:
+            srv.stop()
+    for name in cases:  # shown with -s: what each edit cost with anchors off and on
+        print(f"{name}: prompt={len(cases[name][1])} edit_at={_lcp(*cases[name])} "
+              f"cached_off={results['off'][name]['cached']} cached_on={results['on'][name]['cached']}")
+    print(f"anchor metrics: {metrics}")
+    return types.SimpleNamespace(cases=cases, results=results, metrics=metrics, tok=tok)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _expected_restore(tok, first: list[int], second: list[int]) -> int:
+    """Where the anchors-on server must restore the second prompt from: the deepest state it
+    stored while serving the first one (chunk ends, cut at anchors by the planner, and the
+    prompt end) that the second prompt still shares, short of its last token."""
+    planner = AnchorPlanner(AnchorScanner.from_tokenizer(tok), MIN_GAP)
+    req = types.SimpleNamespace(full_untruncated_fill_ids=first, multimodal_inputs=None)
+    states, pos = {len(first)}, 0
+    while pos < len(first):
+        n = min(CHUNK, len(first) - pos)
+        cut = planner.next_cut(req, pos, n)
+        pos = cut if cut is not None else pos + n
+        states.add(pos)
+    limit = min(_lcp(first, second), len(second) - 1)
+    return max([s for s in states if s <= limit], default=0)
+
+
+CASE_NAMES = [
+    "openclaw_trailing_message", "opencode_old_tool_output_cleared",
+    "qwen3_template_drops_reasoning", "messages_drop_thinking_blocks",
+    "restore_mid_multitoken_marker", "prompt_ends_at_anchor",
+]
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_same_output_with_anchors_on_and_off(runs, case):
+    off, on = runs.results["off"][case], runs.results["on"][case]
+    assert on["tokens"] == off["tokens"], f"greedy tokens differ:\n on  {on['tokens']}\n off {off['tokens']}"
+    err = max(abs(a - b) for a, b in zip(on["logprobs"], off["logprobs"]))
+    assert err < LOGPROB_ATOL, err
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_restores_from_the_anchor(runs, case):
+    first, second = runs.cases[case]
+    on, off = runs.results["on"][case], runs.results["off"][case]
+    expected = _expected_restore(runs.tok, first, second)
+    assert on["cached"] == expected, (on["cached"], expected)
+    edit = _lcp(first, second)
+    assert edit - MIN_GAP < on["cached"] <= edit
+    if case == "prompt_ends_at_anchor":
+        assert on["cached"] == off["cached"] == len(first)  # the prompt-end state, as upstream
+    else:
+        assert on["cached"] > off["cached"], (on["cached"], off["cached"])
+
+
+def test_anchor_metrics(runs):
+    m = runs.metrics
+    assert m["saved"] and m["saved"] >= len(CASE_NAMES) - 1
+    restored = sum(
+        runs.results["on"][c]["cached"] != len(runs.cases[c][0]) for c in CASE_NAMES
+    )
+    assert m["restored"] >= restored, (m, restored)
