@@ -43,6 +43,15 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
     mamba = get_exec().mamba
     if mamba.disable_anchor_checkpoints or not ctx.is_hybrid_ssm or ctx.disable_radix_cache:
         return None
+    if mamba.anchor_checkpoint_min_gap < 1:
+        raise ValueError(
+            f"--anchor-checkpoint-min-gap must be at least 1, got {mamba.anchor_checkpoint_min_gap}"
+        )
+    if mamba.anchor_checkpoint_max_states == 0 or mamba.anchor_checkpoint_max_states < -1:
+        raise ValueError(
+            "--anchor-checkpoint-max-states must be -1 (no cap) or a positive number, got "
+            f"{mamba.anchor_checkpoint_max_states}"
+        )
     why_not = None
     if ctx.params.enable_mamba_extra_buffer:
         why_not = "the extra_buffer mamba radix cache strategy"

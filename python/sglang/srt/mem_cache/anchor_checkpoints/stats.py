@@ -34,9 +34,7 @@ class AnchorStats:
     def __init__(self, labels: Optional[dict[str, str]] = None) -> None:
         self.slots: dict[int, int] = {}  # state slot -> anchor position (prefix length)
         self.counters = AnchorCounters()
-        self._prom = None
-        if labels is not None:
-            self._prom = _PromSeries(labels)
+        self._prom = _prom_series(labels) if labels is not None else None
 
     @property
     def held(self) -> int:
@@ -88,6 +86,17 @@ class AnchorStats:
             self._prom.recomputed.observe(total - prefix_len)
             if restored:
                 self._prom.restored.inc()
+
+
+_SERIES: dict[tuple, "_PromSeries"] = {}
+
+
+def _prom_series(labels: dict[str, str]) -> "_PromSeries":
+    # Prometheus refuses a second registration of a name: one set of series per process.
+    key = tuple(sorted(labels.items()))
+    if key not in _SERIES:
+        _SERIES[key] = _PromSeries(labels)
+    return _SERIES[key]
 
 
 class _PromSeries:
