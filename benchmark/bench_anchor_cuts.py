@@ -42,7 +42,9 @@ def prompts(tok, tokens: int, block: int) -> tuple[list[int], list[int]]:
 
 
 def ttft(url: str, ids: list[int]) -> float:
-    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+    from sglang.test.agent_replay import flush_cache
+
+    flush_cache(url)  # retried while the server finishes the previous request
     t0 = time.perf_counter()
     r = requests.post(url + "/generate", json={
         "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}, timeout=1800)
