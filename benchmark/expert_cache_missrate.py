@@ -481,6 +481,13 @@ def main(argv: Optional[Sequence[str]] = None, out=print) -> int:
         f"{trace.sizes[~trace.prefill].mean() if (~trace.prefill).any() else float('nan'):.2f}"
         f", per prefill call="
         f"{trace.sizes[trace.prefill].mean() if trace.prefill.any() else float('nan'):.2f}")
+    dec_steps = np.unique(trace.step[~trace.prefill])
+    if len(dec_steps):
+        ws = trace.sizes[~trace.prefill].sum() / len(dec_steps)
+        out(f"# one decode step routes {ws:.1f} distinct experts over all layers "
+            f"({100 * ws / trace.pool:.2f}% of the pool): a shared LRU pool short of that "
+            f"sweeps cyclically across layers (the LRU pathology; every access misses once "
+            f"the pool is a layer's share short of it)")
     out(f"# calibration: first {n_calib} of {len(trace.steps)} steps (--calib-frac "
         f"{a.calib_frac}) give static its token counts and are excluded from every policy's "
         f"measured rates; measured: {int(measured.sum())} calls ({int(dec.sum())} decode)")
