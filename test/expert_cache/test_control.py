@@ -38,8 +38,28 @@ def step(op: OpCache, ref: reference.ReferenceExpertCache, topk, layer, ratio, p
 # ---------------------------------------------------------------- randomized sequences
 
 
+def _isas():
+    """The CPU op's victim pass has a scalar and an AVX2 path, chosen by the kernel ISA."""
+    out = []
+    for name in ("avx2", "scalar"):
+        try:
+            torch.ops.sgl_kernel.set_cpu_isa(name)
+            out.append(name)
+        except RuntimeError:
+            pass
+    torch.ops.sgl_kernel.set_cpu_isa("auto")
+    return out
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    torch.ops.sgl_kernel.set_cpu_isa(request.param)
+    yield request.param
+    torch.ops.sgl_kernel.set_cpu_isa("auto")
+
+
 @pytest.mark.parametrize("seed", range(12))
-def test_random_sequences(seed):
+def test_random_sequences(seed, isa):
     rng = random.Random(seed)
     L = rng.randint(1, 4)
     E = rng.choice([4, 8, 16, 33, 64])
@@ -186,16 +206,18 @@ def test_empty_slots_before_lru_and_ties_by_slot():
     assert r.fill_dst[:3] == [2, 3, 0]
 
 
-def test_prefilled_random_state():
-    """Start from a random consistent state with tied and stale last-use values."""
-    rng = random.Random(7)
-    L, E, S, F, K = 3, 16, 20, 6, 4
+@pytest.mark.parametrize("max_time", [5, 30])
+def test_prefilled_random_state(isa, max_time):
+    """Start from a random consistent state with tied and stale last-use values; with
+    max_time 30 some slots even carry times after the clock (not produced by the op itself)."""
+    rng = random.Random(7 + max_time)
+    L, E, S, F, K = 3, 16, 80, 6, 4
     ref = reference.ReferenceExpertCache(L, E, S)
-    ids = rng.sample(range(L * E), 15)
-    for s, g in enumerate(ids):
+    ids = rng.sample(range(L * E), 45)
+    for s, g in zip(rng.sample(range(S), 45), ids):
         ref.id_of_slot[s] = g
         ref.slot_of_id[g] = s
-        ref.slot_last_use[s] = rng.randint(0, 5)
+        ref.slot_last_use[s] = rng.randint(0, max_time)
     ref.clock = 9
     op = OpCache(L, E, S, F, max_tokens=64, top_k=K)
     op.load(ref)

@@ -17,6 +17,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 namespace sglk {
@@ -71,6 +75,75 @@ struct TokensReset {
     s.distinct.clear();
   }
 };
+
+// ---- victim pass: the `cap` smallest (last_use, slot) among slots with last_use != now ----
+
+// First index in [s, S) with lu[index] < thresh, or S.
+int64_t next_below_scalar(const int64_t* lu, int64_t s, int64_t S, int64_t thresh) {
+  for (; s < S; ++s)
+    if (lu[s] < thresh) return s;
+  return S;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) int64_t next_below_avx2(const int64_t* lu, int64_t s, int64_t S, int64_t thresh) {
+  const __m256i th = _mm256_set1_epi64x(thresh);
+  for (; s + 16 <= S; s += 16) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(lu + s);
+    const __m256i m0 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p));
+    const __m256i m1 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 1));
+    const __m256i m2 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 2));
+    const __m256i m3 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 3));
+    const __m256i m = _mm256_or_si256(_mm256_or_si256(m0, m1), _mm256_or_si256(m2, m3));
+    if (!_mm256_testz_si256(m, m)) return next_below_scalar(lu, s, s + 16, thresh);
+  }
+  return next_below_scalar(lu, s, S, thresh);
+}
+#endif
+
+bool use_avx2() {
+#if defined(__x86_64__)
+  return std::strcmp(kernels().name, "scalar") != 0;  // the ISA level selected for all CPU ops
+#else
+  return false;
+#endif
+}
+
+// One pass over the slot table keeping the `cap` smallest keys, sorted ascending, in `v`.
+// Slots are visited in ascending order, so once `cap` keys are kept a slot whose last_use
+// equals the largest kept one's is larger than it: the test needs last_use alone. While the
+// list is full and its largest last_use is <= now, "last_use < largest" also excludes this
+// call's hits (last_use == now), and the pass only looks for values below a threshold: SIMD.
+void select_victims(const int64_t* lu, int64_t S, int64_t now, size_t cap,
+                    std::vector<std::pair<int64_t, int32_t>>& v, bool avx2) {
+  v.clear();
+  auto insert = [&](int64_t t, int64_t s) {
+    std::pair<int64_t, int32_t> key{t, static_cast<int32_t>(s)};
+    auto pos = std::upper_bound(v.begin(), v.end(), key);
+    if (v.size() == cap) v.pop_back();
+    v.insert(pos, key);
+  };
+  int64_t s = 0;
+  for (; s < S && v.size() < cap; ++s)  // fill the list with the first candidates
+    if (lu[s] != now) insert(lu[s], s);
+  while (s < S) {
+    const int64_t thresh = v.back().first;
+    if (thresh > now) {  // only with tables holding future times: the plain test
+      for (; s < S; ++s)
+        if (lu[s] != now && lu[s] < v.back().first) insert(lu[s], s);
+      break;
+    }
+#if defined(__x86_64__)
+    s = avx2 ? next_below_avx2(lu, s, S, thresh) : next_below_scalar(lu, s, S, thresh);
+#else
+    s = next_below_scalar(lu, s, S, thresh);
+#endif
+    if (s < S) {
+      insert(lu[s], s);
+      ++s;
+    }
+  }
+}
 
 }  // namespace
 
@@ -157,26 +230,8 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
   int64_t q = std::min(policy_fill_count(policy, m, fill_ratio), F);
   sc.victims.clear();
   if (q > 0) {
-    // Keep the q smallest (last_use, slot) among the candidates, sorted. Slots are visited in
-    // ascending order, so once q keys are kept a slot whose last_use equals the largest kept
-    // one's is larger than it: the rejection test needs last_use alone (t >= thresh).
-    auto& v = sc.victims;
-    const size_t cap = static_cast<size_t>(q);
-    int64_t thresh = std::numeric_limits<int64_t>::max();  // last_use of the largest kept, once full
-    bool full = false;
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t t = lu[s];
-      if ((full && t >= thresh) || t == now) continue;
-      std::pair<int64_t, int32_t> key{t, static_cast<int32_t>(s)};
-      auto pos = std::upper_bound(v.begin(), v.end(), key);
-      if (v.size() == cap) v.pop_back();
-      v.insert(pos, key);
-      if (v.size() == cap) {
-        full = true;
-        thresh = v.back().first;
-      }
-    }
-    q = std::min<int64_t>(q, static_cast<int64_t>(v.size()));
+    select_victims(lu, S, now, static_cast<size_t>(q), sc.victims, use_avx2());
+    q = std::min<int64_t>(q, static_cast<int64_t>(sc.victims.size()));
   }
 
   // ---- 5. fill order: most tokens first, then lower id; 7. install ----
