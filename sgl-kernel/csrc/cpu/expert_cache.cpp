@@ -50,12 +50,14 @@ int64_t policy_fill_count(int64_t policy, int64_t m, double fill_ratio) {
   return std::clamp<int64_t>(q, 1, m);
 }
 
-// Per-thread scratch, indexed by layer-local expert id. tokens[] is all-zero between calls.
+// Per-thread scratch. tokens[] (indexed by layer-local expert id) is all-zero between calls.
 struct Scratch {
-  std::vector<int32_t> tokens;  // routed (t, k) entries per expert
-  std::vector<int32_t> result;  // slot after the call, or -1 (CPU); valid for routed ids only
-  std::vector<int32_t> distinct, misses;
-  std::vector<std::pair<int64_t, int32_t>> victims;  // (last_use, slot), sorted
+  std::vector<int32_t> tokens;    // [E] routed (t, k) entries per expert
+  std::vector<int32_t> result;    // [E] slot after the call, or -1 (CPU); valid for routed ids only
+  std::vector<int32_t> distinct;  // [E + 1] routed ids in first-seen order (n_distinct valid)
+  std::vector<int32_t> misses;    // [E]
+  int64_t n_distinct = 0;
+  std::vector<std::pair<int64_t, int32_t>> victims;  // (last_use, slot) candidates, then the q smallest
 };
 
 Scratch& scratch(int64_t num_experts) {
@@ -63,6 +65,8 @@ Scratch& scratch(int64_t num_experts) {
   if (static_cast<int64_t>(s.tokens.size()) < num_experts) {
     s.tokens.resize(num_experts, 0);
     s.result.resize(num_experts, -1);
+    s.distinct.resize(num_experts + 1);  // the dedup loop writes one past the last distinct id
+    s.misses.resize(num_experts);
   }
   return s;
 }
@@ -71,33 +75,62 @@ Scratch& scratch(int64_t num_experts) {
 struct TokensReset {
   Scratch& s;
   ~TokensReset() {
-    for (int32_t e : s.distinct) s.tokens[e] = 0;
-    s.distinct.clear();
+    for (int64_t i = 0; i < s.n_distinct; ++i) s.tokens[s.distinct[i]] = 0;
+    s.n_distinct = 0;
   }
 };
 
-// ---- victim pass: the `cap` smallest (last_use, slot) among slots with last_use != now ----
+// ---- step 6: the `cap` smallest (last_use, slot) among the slots with last_use != now ----
+//
+// One pass over the slot table. Candidates below a threshold are appended to a buffer; when it
+// holds `limit` keys it is cut back to the `cap` smallest (nth_element) and the threshold drops
+// to the largest kept last_use. Slots are visited in ascending order, so a later slot whose
+// last_use equals the threshold has a larger key than every kept one: the test is
+// `last_use < threshold` alone, which SIMD evaluates 16 slots at a time. The threshold starts as
+// the largest last_use of the first `cap` candidates. A key found below the threshold is still
+// checked against `now` (this call's hits), so any table contents give the exact result.
 
-// First index in [s, S) with lu[index] < thresh, or S.
-int64_t next_below_scalar(const int64_t* lu, int64_t s, int64_t S, int64_t thresh) {
+using Key = std::pair<int64_t, int32_t>;
+
+struct VictimBuffer {
+  std::vector<Key>& v;
+  size_t cap, limit;
+  int64_t now, thresh;
+
+  void cut() {
+    std::nth_element(v.begin(), v.begin() + (cap - 1), v.end());
+    v.resize(cap);
+    thresh = v[cap - 1].first;  // the largest kept key's last_use
+  }
+  void offer(int64_t t, int64_t s) {
+    if (t == now || t >= thresh) return;
+    v.emplace_back(t, static_cast<int32_t>(s));
+    if (v.size() >= limit) cut();
+  }
+};
+
+void scan_scalar(const int64_t* lu, int64_t s, int64_t S, VictimBuffer& b) {
   for (; s < S; ++s)
-    if (lu[s] < thresh) return s;
-  return S;
+    if (lu[s] < b.thresh) b.offer(lu[s], s);
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) int64_t next_below_avx2(const int64_t* lu, int64_t s, int64_t S, int64_t thresh) {
-  const __m256i th = _mm256_set1_epi64x(thresh);
+__attribute__((target("avx2"))) void scan_avx2(const int64_t* lu, int64_t s, int64_t S, VictimBuffer& b) {
   for (; s + 16 <= S; s += 16) {
+    const __m256i th = _mm256_set1_epi64x(b.thresh);
     const __m256i* p = reinterpret_cast<const __m256i*>(lu + s);
-    const __m256i m0 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p));
-    const __m256i m1 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 1));
-    const __m256i m2 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 2));
-    const __m256i m3 = _mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 3));
-    const __m256i m = _mm256_or_si256(_mm256_or_si256(m0, m1), _mm256_or_si256(m2, m3));
-    if (!_mm256_testz_si256(m, m)) return next_below_scalar(lu, s, s + 16, thresh);
+    const int m0 = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(th, _mm256_loadu_si256(p))));
+    const int m1 = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 1))));
+    const int m2 = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 2))));
+    const int m3 = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(th, _mm256_loadu_si256(p + 3))));
+    unsigned mask = static_cast<unsigned>(m0 | (m1 << 4) | (m2 << 8) | (m3 << 12));
+    while (mask) {
+      const int j = __builtin_ctz(mask);
+      mask &= mask - 1;
+      b.offer(lu[s + j], s + j);  // re-tests against the (possibly lowered) threshold
+    }
   }
-  return next_below_scalar(lu, s, S, thresh);
+  scan_scalar(lu, s, S, b);
 }
 #endif
 
@@ -109,40 +142,28 @@ bool use_avx2() {
 #endif
 }
 
-// One pass over the slot table keeping the `cap` smallest keys, sorted ascending, in `v`.
-// Slots are visited in ascending order, so once `cap` keys are kept a slot whose last_use
-// equals the largest kept one's is larger than it: the test needs last_use alone. While the
-// list is full and its largest last_use is <= now, "last_use < largest" also excludes this
-// call's hits (last_use == now), and the pass only looks for values below a threshold: SIMD.
-void select_victims(const int64_t* lu, int64_t S, int64_t now, size_t cap,
-                    std::vector<std::pair<int64_t, int32_t>>& v, bool avx2) {
+// Leaves the min(cap, candidates) smallest keys in v, sorted ascending.
+void select_victims(const int64_t* lu, int64_t S, int64_t now, size_t cap, std::vector<Key>& v, bool avx2) {
   v.clear();
-  auto insert = [&](int64_t t, int64_t s) {
-    std::pair<int64_t, int32_t> key{t, static_cast<int32_t>(s)};
-    auto pos = std::upper_bound(v.begin(), v.end(), key);
-    if (v.size() == cap) v.pop_back();
-    v.insert(pos, key);
-  };
   int64_t s = 0;
-  for (; s < S && v.size() < cap; ++s)  // fill the list with the first candidates
-    if (lu[s] != now) insert(lu[s], s);
-  while (s < S) {
-    const int64_t thresh = v.back().first;
-    if (thresh > now) {  // only with tables holding future times: the plain test
-      for (; s < S; ++s)
-        if (lu[s] != now && lu[s] < v.back().first) insert(lu[s], s);
-      break;
-    }
+  for (; s < S && v.size() < cap; ++s)
+    if (lu[s] != now) v.emplace_back(lu[s], static_cast<int32_t>(s));
+  if (v.size() == cap && s < S) {
+    int64_t t_max = v[0].first;
+    for (const Key& k : v) t_max = std::max(t_max, k.first);
+    VictimBuffer b{v, cap, 4 * cap + 16, now, t_max};
 #if defined(__x86_64__)
-    s = avx2 ? next_below_avx2(lu, s, S, thresh) : next_below_scalar(lu, s, S, thresh);
+    if (avx2)
+      scan_avx2(lu, s, S, b);
+    else
+      scan_scalar(lu, s, S, b);
 #else
-    s = next_below_scalar(lu, s, S, thresh);
+    (void)avx2;
+    scan_scalar(lu, s, S, b);
 #endif
-    if (s < S) {
-      insert(lu[s], s);
-      ++s;
-    }
+    if (v.size() > cap) b.cut();
   }
+  std::sort(v.begin(), v.end());
 }
 
 }  // namespace
@@ -197,38 +218,45 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
 
   Scratch& sc = scratch(num_experts);
   TokensReset reset{sc};
+  int32_t* const tokens = sc.tokens.data();
+  int32_t* const result = sc.result.data();
+  int32_t* const distinct = sc.distinct.data();
+  int32_t* const misses = sc.misses.data();
 
   // ---- 2. deduplicate, count tokens per expert (validates the ids) ----
+  int64_t nd = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t e = ids[i];
     if (e == -1) continue;
-    TORCH_CHECK(e >= 0 && e < E, "topk_ids[", i / topk_ids.size(1), ", ", i % topk_ids.size(1), "] = ", e,
-                " is outside [-1, ", E, ")");
-    if (sc.tokens[e]++ == 0) sc.distinct.push_back(e);
+    if (static_cast<uint32_t>(e) >= static_cast<uint32_t>(E)) {
+      sc.n_distinct = nd;
+      TORCH_CHECK(false, "topk_ids[", i / topk_ids.size(1), ", ", i % topk_ids.size(1), "] = ", e,
+                  " is outside [-1, ", E, ")");
+    }
+    distinct[nd] = e;
+    nd += tokens[e]++ == 0;
   }
+  sc.n_distinct = nd;
   // ---- 3. classify (read-only until every slot read is validated) ----
-  sc.misses.clear();
-  int64_t hits = 0;
-  for (int32_t e : sc.distinct) {
+  int64_t m = 0, hits = 0;
+  for (int64_t i = 0; i < nd; ++i) {
+    const int32_t e = distinct[i];
     const int32_t s = sof[base + e];
     TORCH_CHECK(s >= -1 && s < S, "slot_of_id[", base + e, "] = ", s, " is outside [-1, ", S, ")");
-    sc.result[e] = s;  // -1 until filled
-    if (s >= 0)
-      ++hits;
-    else
-      sc.misses.push_back(e);
+    result[e] = s;  // -1 until filled
+    hits += s >= 0;
+    misses[m] = e;
+    m += s < 0;
   }
 
   // ---- 1. advance the clock; mark hits ----
   int64_t* clk = clock.data_ptr<int64_t>();
   const int64_t now = ++clk[0];
-  for (int32_t e : sc.distinct)
-    if (sc.result[e] >= 0) lu[sc.result[e]] = now;
+  for (int64_t i = 0; i < nd; ++i)
+    if (result[distinct[i]] >= 0) lu[result[distinct[i]]] = now;
 
   // ---- 4. fill count; 6. victims by one pass over the slot table ----
-  const int64_t m = static_cast<int64_t>(sc.misses.size());
   int64_t q = std::min(policy_fill_count(policy, m, fill_ratio), F);
-  sc.victims.clear();
   if (q > 0) {
     select_victims(lu, S, now, static_cast<size_t>(q), sc.victims, use_avx2());
     q = std::min<int64_t>(q, static_cast<int64_t>(sc.victims.size()));
@@ -238,13 +266,11 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
   int32_t* fsrc = fill_src.data_ptr<int32_t>();
   int32_t* fdst = fill_dst.data_ptr<int32_t>();
   if (q > 0) {
-    auto& ms = sc.misses;
-    const auto& tok = sc.tokens;
-    std::partial_sort(ms.begin(), ms.begin() + q, ms.end(), [&](int32_t a, int32_t b) {
-      return tok[a] != tok[b] ? tok[a] > tok[b] : a < b;
+    std::partial_sort(misses, misses + q, misses + m, [tokens](int32_t a, int32_t b) {
+      return tokens[a] != tokens[b] ? tokens[a] > tokens[b] : a < b;
     });
     for (int64_t i = 0; i < q; ++i) {
-      const int32_t e = ms[i];
+      const int32_t e = misses[i];
       const int32_t g = base + e;
       const int32_t v = sc.victims[i].second;
       const int32_t old = ios[v];
@@ -255,7 +281,7 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
       lu[v] = now;
       fsrc[i] = g;
       fdst[i] = v;
-      sc.result[e] = v;
+      result[e] = v;
     }
   }
   for (int64_t i = q; i < F; ++i) fsrc[i] = fdst[i] = -1;
@@ -265,13 +291,9 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
   int32_t* co = cpu_ids.data_ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
     const int32_t e = ids[i];
-    if (e == -1) {
-      so[i] = co[i] = -1;
-      continue;
-    }
-    const int32_t r = sc.result[e];
+    const int32_t r = e == -1 ? -1 : result[e];
     so[i] = r;
-    co[i] = r >= 0 ? -1 : base + e;
+    co[i] = (e == -1 || r >= 0) ? -1 : base + e;
   }
 
   // ---- 9. counts and stats ----
