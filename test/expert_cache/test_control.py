@@ -227,6 +227,27 @@ def test_prefilled_random_state(isa, max_time):
         step(op, ref, topk, layer, rng.uniform(0, 2), rng.choice([QSTAR, FILL, CPU]))
 
 
+@pytest.mark.parametrize("F", [1, 5, 16])
+def test_large_table_random_ages(isa, F):
+    """Slot order unrelated to age (as in a warm cache): the victim pass keeps cutting its
+    buffer of below-threshold keys, on the scalar and the SIMD path."""
+    rng = random.Random(F)
+    L, E, S, K = 8, 256, 1500, 8
+    ref = reference.ReferenceExpertCache(L, E, S)
+    ages = list(range(1000)) * 2  # ties too
+    rng.shuffle(ages)
+    for s, g in enumerate(rng.sample(range(L * E), 1400)):  # 100 slots stay empty
+        ref.id_of_slot[s] = g
+        ref.slot_of_id[g] = s
+        ref.slot_last_use[s] = ages[s]
+    ref.clock = 1000
+    op = OpCache(L, E, S, F, max_tokens=64, top_k=K)
+    op.load(ref)
+    for _ in range(25):
+        topk = random_routing(rng, rng.choice([8, 64]), K, E, rng.sample(range(E), 40), pad_p=0.0)
+        step(op, ref, topk, rng.randrange(L), 1.0, FILL)
+
+
 def test_bad_ids_raise_before_any_change():
     op, ref = fresh()
     step(op, ref, [[1, 2]], 0, 1.0, FILL)
