@@ -74,7 +74,7 @@ def test_out_of_range_ids_are_padding_on_cuda():
 
 def test_cuda_limits():
     with pytest.raises(RuntimeError, match="num_experts"):
-        OpCache(1, 4097, 8, 4, device="cuda").control([[1]], 0, 1.0, 0)
+        OpCache(1, 4097, 8, 4, max_tokens=1, top_k=1, device="cuda").control([[1]], 0, 1.0, 0)
     with pytest.raises(RuntimeError, match="fill lists"):
         g = OpCache(1, 8, 8, 33, max_tokens=1, top_k=1, device="cuda")
         g.control([[1]], 0, 1.0, 0)
