@@ -160,7 +160,13 @@ def expert_cache_control(
     contiguity; ``layer``/``num_experts`` outside ``slot_of_id``; bad policy or ratio; on CPU a
     routed id outside ``[-1, E)``. On CUDA such ids count as padding (the kernel cannot raise
     without a host sync), and ``E > CUDA_MAX_EXPERTS`` or ``F > CUDA_MAX_FILL`` are errors. On
-    CPU a corrupt table entry (slot or id out of range) raises with the state unspecified.
+    CPU a corrupt table entry (slot or id out of range) raises with the state unspecified; the
+    CUDA kernel does not detect it (an out-of-range slot counts as a miss, writes through an
+    out-of-range id are skipped).
+
+    Cost: linear in ``T * K`` and in ``S`` (one pass over ``slot_last_use``, skipped when
+    ``q == 0``); the CUDA kernel is one block of 512 threads, so it is sized for decode batches
+    rather than large prefill batches.
     """
     torch.ops.sgl_kernel.expert_cache_control(
         topk_ids,
