@@ -11,6 +11,9 @@ package supplies them, written from scratch for this fork:
   ``fused_sigmoid_mul_cpu``, ``assign_req_to_token_pool_cpu``,
   ``copy_all_layer_kv_cache_cpu``, ``murmur_hash32_cpu``, plus ``cpu_isa`` /
   ``set_cpu_isa``. Each is documented in :mod:`sgl_kernel.ops`.
+* ``torch.ops.sgl_kernel.expert_cache_control`` / ``expert_bank_copy`` (CPU here,
+  CUDA in ``sgl_kernel._C_cuda``): the expert slot cache, documented in
+  ``sglang/srt/layers/moe/expert_cache/control.py``.
 * top-level Python functions ``assign_req_to_token_pool_cpu`` and
   ``copy_all_layer_kv_cache_cpu`` (memory management);
 * :mod:`sgl_kernel.mamba`: ``causal_conv1d_fn_cpu``,
