@@ -1,0 +1,90 @@
+// Persistent worker pool of the CPU expert executor (paper §4.1, "Graph-resident
+// CPU execution": "The workers themselves form a persistent C++ pool pinned to
+// physical cores").
+//
+// * Threads are created on first use, one per physical core of the process's
+//   CPU affinity set by default (sysfs topology; without it, one per allowed
+//   CPU), and pinned one per core with sched_setaffinity (a failed pin is
+//   reported by info(), never an error). No thread is ever created per call.
+// * A job is run by every pool thread at once: PoolJob::run(worker, nworkers)
+//   is called once on each thread, and the job is complete when all calls
+//   returned. Jobs run one after another in submission order (FIFO), so jobs
+//   of one submit() may share scratch memory.
+// * Idle threads spin briefly (SGLANG_CPU_EXPERT_SPIN_US, default 20 us) on an
+//   atomic generation counter, then sleep on a condition variable; waiters do
+//   the same on the job's completion flag.
+// * A forked child does not inherit the threads: the first use in the child
+//   builds a new pool (the parent's pool state is abandoned, never touched).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace sglk {
+
+class PoolJob {
+ public:
+  virtual ~PoolJob() = default;
+  // Called once on each pool thread, worker in [0, nworkers). May throw: the
+  // first message is rethrown by ExpertPool::wait.
+  virtual void run(int worker, int nworkers) = 0;
+
+ private:
+  friend class ExpertPool;
+  std::atomic<int> finished_{0};  // run() calls returned
+  std::atomic<int> done_{0};      // all returned and the job left the queue
+  std::string error_;             // guarded by the pool's mutex
+};
+
+class ExpertPool {
+ public:
+  // The process's pool (started lazily by submit/threads/info).
+  static ExpertPool& get();
+
+  // Enqueues the jobs (run in this order, after every job submitted before)
+  // and returns a handle for wait(). Never blocks on running jobs.
+  int64_t submit(std::vector<std::shared_ptr<PoolJob>> jobs);
+  // Blocks until every job of the handle is complete, then forgets the handle;
+  // rethrows a job's error as std::runtime_error. Unknown handle: error.
+  void wait(int64_t handle);
+
+  // Restarts the pool with n threads (0: one per physical core) once the
+  // queue is empty; returns the count now in use.
+  int set_threads(int n);
+  int threads();
+  std::string info();
+
+  ExpertPool();
+  ExpertPool(const ExpertPool&) = delete;
+  ExpertPool& operator=(const ExpertPool&) = delete;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+  void ensure_started_locked();
+  void start_workers_locked(int n);
+  void stop_workers_locked();
+  void worker_main(int idx, uint64_t seen);
+  void finish(PoolJob* job);
+};
+
+// Spins (then yields) until a >= target; the acquire load orders the reads
+// that follow after the writes released by the increments of a.
+inline void spin_until(const std::atomic<int32_t>& a, int32_t target) {
+  int spins = 0;
+  while (a.load(std::memory_order_acquire) < target) {
+    if (++spins < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+}  // namespace sglk
