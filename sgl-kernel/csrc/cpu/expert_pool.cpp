@@ -104,6 +104,27 @@ bool spin_for(P pred) {
 
 }  // namespace
 
+void PoolJob::set_error(const std::string& msg) {
+  std::lock_guard<std::mutex> lk(err_mu_);
+  if (error_.empty()) error_ = msg.empty() ? "unknown error in a CPU expert pool job" : msg;
+}
+
+bool ItemJob::run(int worker) {
+  bool completed = false;
+  for (;;) {
+    const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n_items_) return completed;
+    try {
+      do_item(i, worker);
+    } catch (const std::exception& e) {
+      set_error(e.what());
+    } catch (...) {
+      set_error("");
+    }
+    if (completed_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_items_) completed = true;
+  }
+}
+
 struct ExpertPool::State {
   std::mutex cfg_mu;  // serialises start / restart against submit
   std::mutex mu;      // queue, handles, errors
@@ -111,7 +132,7 @@ struct ExpertPool::State {
   std::condition_variable done_cv;
   std::atomic<uint64_t> gen{0};  // bumped when a job starts or the workers stop
   std::atomic<bool> stop{false};
-  std::atomic<PoolJob*> current{nullptr};
+  std::shared_ptr<PoolJob> current;  // guarded by mu
   std::deque<std::shared_ptr<PoolJob>> queue;  // front: the running job
   std::unordered_map<int64_t, std::vector<std::shared_ptr<PoolJob>>> handles;
   int64_t next_handle = 1;
@@ -195,31 +216,23 @@ void ExpertPool::worker_main(int idx, uint64_t seen) {
   }
   s.pin_result[idx].store(pinned, std::memory_order_release);
   s.ready.fetch_add(1, std::memory_order_acq_rel);
-  const int n = s.nthreads;
   for (;;) {
-    if (!spin_for([&] { return s.gen.load(std::memory_order_acquire) != seen; })) {
+    std::shared_ptr<PoolJob> job;
+    {
+      auto changed = [&] { return s.gen.load(std::memory_order_acquire) != seen; };
+      const bool spun = spin_for(changed);
       std::unique_lock<std::mutex> lk(s.mu);
-      s.work_cv.wait(lk, [&] { return s.gen.load(std::memory_order_acquire) != seen; });
+      if (!spun) s.work_cv.wait(lk, changed);
+      seen = s.gen.load(std::memory_order_acquire);
+      if (s.stop.load(std::memory_order_acquire)) return;
+      job = s.current;
     }
-    seen = s.gen.load(std::memory_order_acquire);
-    if (s.stop.load(std::memory_order_acquire)) return;
-    PoolJob* job = s.current.load(std::memory_order_acquire);
-    try {
-      job->run(idx, n);
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lk(s.mu);
-      if (job->error_.empty()) job->error_ = e.what();
-    } catch (...) {
-      std::lock_guard<std::mutex> lk(s.mu);
-      if (job->error_.empty()) job->error_ = "unknown exception in a CPU expert pool job";
-    }
-    if (job->finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) finish(job);
+    if (job && job->run(idx)) finish(job.get());
   }
 }
 
-// Called by the last thread to finish the running job: retire it and start
-// the next one. Every thread has returned from run() on it, so no thread can
-// skip a job or see a retired one.
+// Called by the thread that completed the running job's last item: retire it
+// and start the next one.
 void ExpertPool::finish(PoolJob* job) {
   State& s = *s_;
   std::shared_ptr<PoolJob> keep;  // released after the lock
@@ -228,12 +241,8 @@ void ExpertPool::finish(PoolJob* job) {
     keep = std::move(s.queue.front());
     s.queue.pop_front();
     job->done_.store(1, std::memory_order_release);
-    if (!s.queue.empty()) {
-      s.current.store(s.queue.front().get(), std::memory_order_release);
-      s.gen.fetch_add(1, std::memory_order_acq_rel);
-    } else {
-      s.current.store(nullptr, std::memory_order_release);
-    }
+    s.current = s.queue.empty() ? nullptr : s.queue.front();
+    if (s.current) s.gen.fetch_add(1, std::memory_order_acq_rel);
   }
   s.work_cv.notify_all();
   s.done_cv.notify_all();
@@ -252,7 +261,7 @@ int64_t ExpertPool::submit(std::vector<std::shared_ptr<PoolJob>> jobs) {
     for (auto& j : jobs) s.queue.push_back(j);
     s.handles.emplace(h, std::move(jobs));
     if (idle && !s.queue.empty()) {
-      s.current.store(s.queue.front().get(), std::memory_order_release);
+      s.current = s.queue.front();
       s.gen.fetch_add(1, std::memory_order_acq_rel);
       started_one = true;
     }
@@ -283,10 +292,9 @@ void ExpertPool::wait(int64_t handle) {
     }
   }
   std::string err;
-  {
-    std::lock_guard<std::mutex> lk(s.mu);
-    for (auto& j : jobs)
-      if (err.empty() && !j->error_.empty()) err = j->error_;
+  for (auto& j : jobs) {
+    std::lock_guard<std::mutex> lk(j->err_mu_);
+    if (err.empty()) err = j->error_;
   }
   if (!err.empty()) throw std::runtime_error(err);
 }

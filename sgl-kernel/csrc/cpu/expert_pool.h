@@ -6,10 +6,12 @@
 //   CPU affinity set by default (sysfs topology; without it, one per allowed
 //   CPU), and pinned one per core with sched_setaffinity (a failed pin is
 //   reported by info(), never an error). No thread is ever created per call.
-// * A job is run by every pool thread at once: PoolJob::run(worker, nworkers)
-//   is called once on each thread, and the job is complete when all calls
-//   returned. Jobs run one after another in submission order (FIFO), so jobs
-//   of one submit() may share scratch memory.
+// * A job is a list of work items taken from one atomic counter by every pool
+//   thread that finds the job current (ItemJob). The thread that completes the
+//   last item retires the job and starts the next, so a thread the OS keeps off
+//   its core delays a job only by the item it holds, never by checking in late.
+//   Jobs run one after another in submission order (FIFO), so the jobs of one
+//   submit() may share scratch memory.
 // * Idle threads spin briefly (SGLANG_CPU_EXPERT_SPIN_US, default 20 us) on an
 //   atomic generation counter, then sleep on a condition variable; waiters do
 //   the same on the job's completion flag.
@@ -20,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,15 +32,34 @@ namespace sglk {
 class PoolJob {
  public:
   virtual ~PoolJob() = default;
-  // Called once on each pool thread, worker in [0, nworkers). May throw: the
-  // first message is rethrown by ExpertPool::wait.
-  virtual void run(int worker, int nworkers) = 0;
+  // Called by each pool thread that finds the job current (possibly late, after
+  // the job completed). Returns true on the one call that completed the job.
+  virtual bool run(int worker) = 0;
+  // Records the first error; ExpertPool::wait rethrows it.
+  void set_error(const std::string& msg);
 
  private:
   friend class ExpertPool;
-  std::atomic<int> finished_{0};  // run() calls returned
-  std::atomic<int> done_{0};      // all returned and the job left the queue
-  std::string error_;             // guarded by the pool's mutex
+  std::atomic<int> done_{0};  // completed and retired
+  std::mutex err_mu_;
+  std::string error_;
+};
+
+// A job of n >= 1 independent-or-ordered work items, handed out in index order.
+// An item may wait (spin_until) only for items of lower index: they were handed
+// out earlier to running threads, so the wait always ends.
+class ItemJob : public PoolJob {
+ public:
+  bool run(int worker) final;
+
+ protected:
+  void set_items(int64_t n) { n_items_ = n; }
+  virtual void do_item(int64_t i, int worker) = 0;
+
+ private:
+  int64_t n_items_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> completed_{0};
 };
 
 class ExpertPool {

@@ -22,8 +22,8 @@
 // bit-identical for any thread count, any split of the entries over sets, and
 // any chunking of tokens (for one ISA level).
 //
-// Work partition, per chunk of tokens (chunks bound the scratch to ~64 MB; a
-// decode step is one chunk): the valid (t,k) entries are grouped per expert
+// Work partition, per chunk of tokens (chunks bound the scratch to
+// SGLANG_CPU_EXPERT_SCRATCH_MB, default 64 MB; a decode step is one chunk): the valid (t,k) entries are grouped per expert
 // (set, row), and three kinds of work items are handed out in this order from
 // one atomic counter:
 //   1. (expert, block of intermediate indices [j0,j1)): gate rows j0..j1 and
@@ -101,7 +101,12 @@ class ScratchCache {
 };
 
 // ------------------------------------------------------------------ the call
-constexpr int64_t kScratchBudget = 64ll << 20;  // bytes of Y + h per chunk
+// Bytes of Y + h per chunk of tokens: SGLANG_CPU_EXPERT_SCRATCH_MB (default 64).
+int64_t scratch_budget() {
+  const char* e = std::getenv("SGLANG_CPU_EXPERT_SCRATCH_MB");
+  const double mb = e && *e ? std::atof(e) : 64.0;
+  return std::max<int64_t>(1, static_cast<int64_t>(mb * (1 << 20)));
+}
 constexpr int64_t kItemBytes = 128 << 10;       // weight bytes per phase-1/2 item
 constexpr int64_t kColBlock = 512;              // out columns per phase-3 item
 
@@ -133,25 +138,32 @@ struct Item {
   int32_t b0, b1;
 };
 
-class MoeChunkJob final : public PoolJob {
+class MoeChunkJob final : public ItemJob {
  public:
   MoeChunkJob(std::shared_ptr<MoeCall> call, int64_t t0, int64_t t1) : c_(std::move(call)), t0_(t0), t1_(t1) {
     plan();
+    set_items(static_cast<int64_t>(items_.size()));
   }
 
-  void run(int, int) override {
-    const int64_t n = static_cast<int64_t>(items_.size());
-    for (;;) {
-      const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) return;
-      const Item& it = items_[i];
+ protected:
+  void do_item(int64_t i, int) override {
+    const Item& it = items_[i];
+    // the dependency counters advance even if an item fails, so that no
+    // thread waits forever; the error reaches moe_experts_cpu_wait
+    try {
       if (it.kind == 1)
         gate_up(it);
       else if (it.kind == 2)
         down(it);
       else
         reduce(it);
+    } catch (const std::exception& e) {
+      set_error(e.what());
     }
+    if (it.kind == 1)
+      p1_done_[it.a].fetch_add(1, std::memory_order_release);
+    else if (it.kind == 2)
+      p2_done_.fetch_add(1, std::memory_order_release);
   }
 
  private:
@@ -227,7 +239,6 @@ class MoeChunkJob final : public PoolJob {
     for (int64_t t = 0; t < m; ++t) yp[t] = U + t * nj;
     k.dot_tile(ex.w13 + (I + j0) * H, H, nj, x, m, H, yp.data());
     for (int64_t t = 0; t < m; ++t) k.silu_mul_bf16(G + t * nj, U + t * nj, nj, c.hbuf + (ex.first + t) * I + j0);
-    p1_done_[it.a].fetch_add(1, std::memory_order_release);
   }
 
   void down(const Item& it) {
@@ -239,7 +250,6 @@ class MoeChunkJob final : public PoolJob {
     yp.resize(m);
     for (int64_t t = 0; t < m; ++t) yp[t] = c.Y + static_cast<int64_t>(local_[ex.first + t]) * H + r0;
     c.kern->dot_tile(ex.w2 + r0 * I, I, it.b1 - it.b0, hp_.data() + ex.first, m, I, yp.data());
-    p2_done_.fetch_add(1, std::memory_order_release);
   }
 
   void reduce(const Item& it) {
@@ -271,7 +281,6 @@ class MoeChunkJob final : public PoolJob {
   std::unique_ptr<std::atomic<int32_t>[]> p1_done_;
   int32_t p2_total_ = 0;
   std::atomic<int32_t> p2_done_{0};
-  std::atomic<int64_t> next_{0};
 };
 
 // Releases the GIL while the calling thread blocks (pool threads never need
@@ -372,7 +381,7 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   std::vector<std::shared_ptr<PoolJob>> jobs;
   if (T == 0) return jobs;
   const int64_t per_token = std::max<int64_t>(1, K * (4 * H + 2 * I));
-  const int64_t chunk = std::clamp<int64_t>(kScratchBudget / per_token, 1, T);
+  const int64_t chunk = std::clamp<int64_t>(scratch_budget() / per_token, 1, T);
   const int64_t y_bytes = chunk * K * H * 4;
   c.scratch = ScratchCache::get().take(static_cast<size_t>(y_bytes + chunk * K * I * 2 + 64));
   c.Y = reinterpret_cast<float*>(c.scratch.get());
@@ -381,22 +390,26 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   return jobs;
 }
 
-// Times one pass of every pool thread over its slice of a buffer.
-class ReadJob final : public PoolJob {
+// Sequential read of a buffer: one contiguous slice per pool thread (items are
+// slices, so each thread normally streams its own), `passes` times over.
+class ReadJob final : public ItemJob {
  public:
-  ReadJob(const char* p, int64_t bytes, int64_t passes, const MoeKernels* k)
-      : p_(p), bytes_(bytes), passes_(passes), k_(k) {}
-  void run(int w, int nw) override {
-    const int64_t slice = bytes_ / nw / 256 * 256;
+  ReadJob(const char* p, int64_t bytes, int64_t passes, int nslices, const MoeKernels* k)
+      : p_(p), slice_(bytes / nslices / 256 * 256), passes_(passes), nslices_(nslices), k_(k) {
+    set_items(nslices);
+  }
+  int64_t bytes_read() const { return slice_ * nslices_ * passes_; }
+
+ protected:
+  void do_item(int64_t i, int) override {
     uint64_t acc = 0;
-    for (int64_t i = 0; i < passes_; ++i) acc += k_->stream_read(p_ + w * slice, slice);
+    for (int64_t pass = 0; pass < passes_; ++pass) acc += k_->stream_read(p_ + i * slice_, slice_);
     sink_.fetch_add(acc, std::memory_order_relaxed);
   }
-  int64_t bytes_read(int nw) const { return bytes_ / nw / 256 * 256 * nw * passes_; }
 
  private:
   const char* p_;
-  int64_t bytes_, passes_;
+  int64_t slice_, passes_, nslices_;
   const MoeKernels* k_;
   std::atomic<uint64_t> sink_{0};
 };
@@ -444,12 +457,12 @@ double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes) {
   ExpertPool& pool = ExpertPool::get();
   const int nw = pool.threads();
   TORCH_CHECK(bytes >= 256 * nw, "expert_pool_read_bandwidth: buffer too small (", buffer.nbytes(), " bytes)");
-  auto job = std::make_shared<ReadJob>(p + skip, bytes, passes, &moe_kernels());
+  auto job = std::make_shared<ReadJob>(p + skip, bytes, passes, nw, &moe_kernels());
   GilRelease nogil;
   const auto t0 = std::chrono::steady_clock::now();
   pool.wait(pool.submit({job}));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return static_cast<double>(job->bytes_read(nw)) / s / 1e9;
+  return static_cast<double>(job->bytes_read()) / s / 1e9;
 }
 
 }  // namespace sglk
