@@ -109,6 +109,11 @@ void PoolJob::set_error(const std::string& msg) {
   if (error_.empty()) error_ = msg.empty() ? "unknown error in a CPU expert pool job" : msg;
 }
 
+std::string PoolJob::error() {
+  std::lock_guard<std::mutex> lk(err_mu_);
+  return error_;
+}
+
 bool ItemJob::run(int worker) {
   bool completed = false;
   for (;;) {
@@ -270,7 +275,7 @@ int64_t ExpertPool::submit(std::vector<std::shared_ptr<PoolJob>> jobs) {
   return h;
 }
 
-void ExpertPool::wait(int64_t handle) {
+std::vector<std::shared_ptr<PoolJob>> ExpertPool::wait(int64_t handle) {
   State& s = *s_;
   std::vector<std::shared_ptr<PoolJob>> jobs;
   {
@@ -291,12 +296,7 @@ void ExpertPool::wait(int64_t handle) {
       s.done_cv.wait(lk, is_done);
     }
   }
-  std::string err;
-  for (auto& j : jobs) {
-    std::lock_guard<std::mutex> lk(j->err_mu_);
-    if (err.empty()) err = j->error_;
-  }
-  if (!err.empty()) throw std::runtime_error(err);
+  return jobs;
 }
 
 int ExpertPool::set_threads(int n) {

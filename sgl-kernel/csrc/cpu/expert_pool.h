@@ -35,8 +35,15 @@ class PoolJob {
   // Called by each pool thread that finds the job current (possibly late, after
   // the job completed). Returns true on the one call that completed the job.
   virtual bool run(int worker) = 0;
-  // Records the first error; ExpertPool::wait rethrows it.
+  // Records the first error (reported by ExpertPool::wait's caller).
   void set_error(const std::string& msg);
+  std::string error();
+  // Drops what the job holds of its caller (tensors). Called by the waiting
+  // thread once the job is complete, never by a pool thread: a pool thread may
+  // hold the last reference to the job object itself, and freeing a tensor
+  // that has a Python object takes the GIL (fatal in a pool thread during
+  // interpreter shutdown, and a stall otherwise).
+  virtual void release() {}
 
  private:
   friend class ExpertPool;
@@ -70,9 +77,10 @@ class ExpertPool {
   // Enqueues the jobs (run in this order, after every job submitted before)
   // and returns a handle for wait(). Never blocks on running jobs.
   int64_t submit(std::vector<std::shared_ptr<PoolJob>> jobs);
-  // Blocks until every job of the handle is complete, then forgets the handle;
-  // rethrows a job's error as std::runtime_error. Unknown handle: error.
-  void wait(int64_t handle);
+  // Blocks until every job of the handle is complete, forgets the handle and
+  // returns its jobs (the caller then calls error() and release() on them,
+  // see wait_and_release). Unknown handle: std::runtime_error.
+  std::vector<std::shared_ptr<PoolJob>> wait(int64_t handle);
 
   // Restarts the pool with n threads (0: one per physical core) once the
   // queue is empty; returns the count now in use.

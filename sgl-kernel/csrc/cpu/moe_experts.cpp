@@ -145,6 +145,8 @@ class MoeChunkJob final : public ItemJob {
     set_items(static_cast<int64_t>(items_.size()));
   }
 
+  void release() override { c_.reset(); }  // the tensors (see PoolJob::release)
+
  protected:
   void do_item(int64_t i, int) override {
     const Item& it = items_[i];
@@ -295,6 +297,22 @@ struct GilRelease {
   }
 };
 
+// Waits for a handle with the GIL released, then, holding it again, drops the
+// jobs' tensor references and rethrows the first error.
+void wait_and_release(ExpertPool& pool, int64_t handle) {
+  std::vector<std::shared_ptr<PoolJob>> jobs;
+  {
+    GilRelease nogil;
+    jobs = pool.wait(handle);
+  }
+  std::string err;
+  for (auto& j : jobs) {
+    if (err.empty()) err = j->error();
+    j->release();
+  }
+  TORCH_CHECK(err.empty(), err);
+}
+
 #define MOE_CHECK(cond, ...) TORCH_CHECK(cond, "moe_experts_cpu: ", __VA_ARGS__)
 
 // Validates the arguments, resolves each (t,k) to its set and row, and splits
@@ -421,9 +439,7 @@ void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, a
   auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate);
   if (jobs.empty()) return;
   ExpertPool& pool = ExpertPool::get();
-  const int64_t h = pool.submit(std::move(jobs));
-  GilRelease nogil;
-  pool.wait(h);
+  wait_and_release(pool, pool.submit(std::move(jobs)));
 }
 
 int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
@@ -432,11 +448,7 @@ int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_
   return ExpertPool::get().submit(std::move(jobs));
 }
 
-void moe_experts_cpu_wait(int64_t handle) {
-  ExpertPool& pool = ExpertPool::get();
-  GilRelease nogil;
-  pool.wait(handle);
-}
+void moe_experts_cpu_wait(int64_t handle) { wait_and_release(ExpertPool::get(), handle); }
 
 int64_t expert_pool_set_threads(int64_t n) {
   TORCH_CHECK(n >= 0 && n <= 4096, "expert_pool_set_threads: n must be in [0, 4096] (0 = one per physical core), got ",
@@ -458,9 +470,8 @@ double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes) {
   const int nw = pool.threads();
   TORCH_CHECK(bytes >= 256 * nw, "expert_pool_read_bandwidth: buffer too small (", buffer.nbytes(), " bytes)");
   auto job = std::make_shared<ReadJob>(p + skip, bytes, passes, nw, &moe_kernels());
-  GilRelease nogil;
   const auto t0 = std::chrono::steady_clock::now();
-  pool.wait(pool.submit({job}));
+  wait_and_release(pool, pool.submit({job}));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return static_cast<double>(job->bytes_read()) / s / 1e9;
 }
