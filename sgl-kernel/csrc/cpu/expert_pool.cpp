@@ -77,6 +77,13 @@ Topology detect_topology() {
   return t;
 }
 
+// SGLANG_CPU_EXPERT_PIN=0 leaves the threads unpinned (e.g. on a machine
+// shared with other jobs, where the scheduler may move them to an idle core).
+bool pin_enabled() {
+  const char* e = std::getenv("SGLANG_CPU_EXPERT_PIN");
+  return !(e && std::string(e) == "0");
+}
+
 int64_t spin_ns() {
   static const int64_t ns = [] {
     const char* e = std::getenv("SGLANG_CPU_EXPERT_SPIN_US");
@@ -213,7 +220,7 @@ void ExpertPool::worker_main(int idx, uint64_t seen) {
   State& s = *s_;
   const int cpu = s.cpu_of[idx];
   int pinned = 0;
-  if (cpu >= 0) {
+  if (cpu >= 0 && pin_enabled()) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
@@ -332,10 +339,14 @@ std::string ExpertPool::info() {
   for (int i = 0; i < s.nthreads; ++i) {
     const int r = s.pin_result[i].load(std::memory_order_acquire);
     ok += r == 1;
-    cpus << (i ? "," : "") << s.cpu_of[i] << (r == 1 ? "" : "(unpinned)");
+    if (r == 1)
+      cpus << (i ? "," : "") << s.cpu_of[i];
+    else
+      cpus << (i ? "," : "") << "any";
   }
   const MoeKernels& mk = moe_kernels();
-  o << "threads=" << s.nthreads << " pinned=" << ok << "/" << s.nthreads << " cpus=" << cpus.str()
+  o << "threads=" << s.nthreads << " pinned=" << ok << "/" << s.nthreads
+    << (pin_enabled() ? "" : " (SGLANG_CPU_EXPERT_PIN=0)") << " cpus=" << cpus.str()
     << " physical_cores=" << s.topo.cores.size() << " allowed_cpus=" << s.topo.allowed << " topology=\""
     << s.topo.source << "\" isa=" << current_isa() << " dot=\"" << mk.dot << "\" spin_us=" << spin_ns() / 1000;
   return o.str();

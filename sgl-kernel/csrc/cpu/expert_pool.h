@@ -5,7 +5,8 @@
 // * Threads are created on first use, one per physical core of the process's
 //   CPU affinity set by default (sysfs topology; without it, one per allowed
 //   CPU), and pinned one per core with sched_setaffinity (a failed pin is
-//   reported by info(), never an error). No thread is ever created per call.
+//   reported by info(), never an error; SGLANG_CPU_EXPERT_PIN=0 skips
+//   pinning). No thread is ever created per call.
 // * A job is a list of work items taken from one atomic counter by every pool
 //   thread that finds the job current (ItemJob). The thread that completes the
 //   last item retires the job and starts the next, so a thread the OS keeps off
