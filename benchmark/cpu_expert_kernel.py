@@ -21,15 +21,18 @@ per physical core; torch.set_num_threads is set to the same count):
   experts (64), top-8: GFLOP/s (2 * 3 * H * I per (token, k)) of ours vs torch
   grouped per expert (index_select, two F.linear, index_add_).
 
-Measurements are interleaved in --rounds rounds and the median is reported, so
-that a shared machine's load hits all of them alike. Last line::
+Measurements are interleaved in --rounds rounds (torch decode: --torch-steps
+steps per round), so that a shared machine's load hits all of them alike;
+figures are medians over rounds, ratios the median of same-round ratios. Last
+line (one line)::
 
     cpu_expert_kernel threads=N bw_gbps_b1=.. bw_gbps_b2=.. bw_gbps_b3=.. bw_gbps_b4=.. read_gbps=..
-        torch_gbps=.. read_ratio=.. torch_ratio=.. kt_ratio=nan prefill_gflops=.. prefill_torch_gflops=..
-        prefill_ratio=..
+        torch_gbps=.. read_ratio=.. torch_ratio=.. kt_ratio=nan bw_best_gbps_b1=.. read_best_gbps=..
+        prefill_gflops=.. prefill_torch_gflops=.. prefill_ratio=.. load_avg=..
 
-(one line; ratios at batch 1: read_ratio = bw_gbps_b1 / read_gbps,
-torch_ratio = bw_gbps_b1 / torch_gbps, torch_gbps being torch at batch 1).
+Ratios at batch 1: read_ratio = ours / sequential read, torch_ratio = ours /
+torch (torch_gbps is torch at batch 1); *_best_* are the best rounds; load_avg
+is the 1-minute load average (start or end, the larger).
 
     PYTHONPATH=sgl-kernel/python python benchmark/cpu_expert_kernel.py [--threads N] [--experts 256]
 """
@@ -37,6 +40,7 @@ torch_ratio = bw_gbps_b1 / torch_gbps, torch_gbps being torch at batch 1).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -93,8 +97,8 @@ class Bench:
         dt = time.perf_counter() - t0
         return steps * B * TOPK * self.expert_bytes / dt / 1e9
 
-    def decode_torch(self, B: int) -> float:
-        steps = max(2, self.E // (B * TOPK))
+    def decode_torch(self, B: int, max_steps: int) -> float:
+        steps = max(2, min(max_steps, self.E // (B * TOPK)))
         x, tw = self.x[:B], self.tw[:B]
         routes = [self.next_rows(B) for _ in range(steps)]
         t0 = time.perf_counter()
@@ -152,38 +156,47 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256, help="experts in the bank (9.4 MB each)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch-max", type=int, default=4)
+    ap.add_argument("--torch-steps", type=int, default=8, help="decode steps per torch measurement")
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--prefill-experts", type=int, default=64)
+    ap.add_argument("--prefill-rounds", type=int, default=2)
     args = ap.parse_args()
 
+    t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
     n = expert_pool_set_threads(args.threads)
     torch.set_num_threads(n)
     print(f"# pool: {expert_pool_info()}")
-    print(f"# torch {torch.__version__}, torch threads {torch.get_num_threads()}")
+    print(f"# torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+          f"cpus online {os.cpu_count()}, load average at start {load0:.1f}")
     bench = Bench(args)
     print(f"# bank: {args.experts} experts x {bench.expert_bytes / 1e6:.1f} MB = "
           f"{args.experts * bench.expert_bytes / 1e9:.2f} GB")
     batches = list(range(1, args.batch_max + 1))
     bench.prefill_setup(args.prefill_tokens, min(args.prefill_experts, args.experts))
 
-    # warm-up: pool threads, scratch, page mapping of the banks
+    # warm-up: pool threads, scratch, page mapping of the banks, oneDNN
     bench.read()
     bench.decode_ours(1)
-    bench.decode_torch(1)
+    bench.decode_torch(1, 2)
     bench.prefill_ours()
 
     res: dict[str, list[float]] = {}
 
     def add(key: str, v: float) -> None:
         res.setdefault(key, []).append(v)
+        # let idle threads (torch's OpenMP workers spin after each parallel
+        # region, the pool's for SGLANG_CPU_EXPERT_SPIN_US) go to sleep before
+        # the next measurement, so that neither side runs against the other
+        time.sleep(0.02)
 
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # interleaved, so that load changes hit all alike
         add("read", bench.read())
         for B in batches:
             add(f"ours_b{B}", bench.decode_ours(B))
-            add(f"torch_b{B}", bench.decode_torch(B))
+            add(f"torch_b{B}", bench.decode_torch(B, args.torch_steps))
     prefill_out = {}
-    for _ in range(max(2, args.rounds // 2)):
+    for _ in range(args.prefill_rounds):
         v, prefill_out["ours"] = bench.prefill_ours()
         add("prefill_ours", v)
         v, prefill_out["torch"] = bench.prefill_torch()
@@ -192,39 +205,49 @@ def main() -> None:
     scale = prefill_out["torch"].abs().max().item()
 
     med = {k: statistics.median(v) for k, v in res.items()}
-    spread = {k: (min(v), max(v)) for k, v in res.items()}
+    best = {k: max(v) for k, v in res.items()}
+
+    def ratio(a: str, b: str) -> float:  # median over rounds of the same-round ratio
+        return statistics.median(x / y for x, y in zip(res[a], res[b]))
+
     read = med["read"]
     print()
-    print("| measure | batch | GB/s (median) | min..max | vs read | ours vs torch |")
+    print(f"decode, {args.rounds} rounds (GB/s = expert bytes read / wall time; ratios: median of same-round ratios)")
+    print()
+    print("| measure | batch | GB/s median | GB/s best | vs read | ours vs torch |")
     print("|---|---|---|---|---|---|")
-    print(f"| sequential read | - | {read:.1f} | {spread['read'][0]:.1f}..{spread['read'][1]:.1f} | 1.00 | |")
+    print(f"| sequential read (C++ pool) | - | {read:.1f} | {best['read']:.1f} | 1.00 | |")
     for B in batches:
-        o, t = med[f"ours_b{B}"], med[f"torch_b{B}"]
-        so, st = spread[f"ours_b{B}"], spread[f"torch_b{B}"]
-        print(f"| moe_experts_cpu | {B} | {o:.1f} | {so[0]:.1f}..{so[1]:.1f} | {o / read:.2f} | {o / t:.2f} |")
-        print(f"| torch bf16 F.linear | {B} | {t:.1f} | {st[0]:.1f}..{st[1]:.1f} | {t / read:.2f} | |")
+        o, t = f"ours_b{B}", f"torch_b{B}"
+        print(f"| moe_experts_cpu | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} | {ratio(o, t):.2f} |")
+        print(f"| torch bf16 F.linear | {B} | {med[t]:.1f} | {best[t]:.1f} | {ratio(t, 'read'):.2f} | |")
     po, pt = med["prefill_ours"], med["prefill_torch"]
     print()
     print(f"| prefill T={args.prefill_tokens} x top-{TOPK} over {bench.prows.unique().numel()} experts "
-          f"| GFLOP/s (median) | min..max |")
+          "| GFLOP/s median | GFLOP/s best |")
     print("|---|---|---|")
-    print(f"| moe_experts_cpu | {po:.1f} | {spread['prefill_ours'][0]:.1f}..{spread['prefill_ours'][1]:.1f} |")
-    print(f"| torch bf16 F.linear grouped | {pt:.1f} | "
-          f"{spread['prefill_torch'][0]:.1f}..{spread['prefill_torch'][1]:.1f} |")
-    print(f"# prefill max |ours - torch| = {diff:.3g} (max |out| {scale:.3g}; torch rounds gate/up and the "
-          "output to bf16)")
+    print(f"| moe_experts_cpu | {po:.1f} | {best['prefill_ours']:.1f} |")
+    print(f"| torch bf16 F.linear grouped per expert | {pt:.1f} | {best['prefill_torch']:.1f} |")
+    print(f"# prefill max |ours - torch| = {diff:.3g} (max |out| {scale:.3g}; torch also rounds gate/up and "
+          "each expert's output to bf16)")
     print(f"# kt-kernel: {kt_kernel_status()}")
+    load1 = os.getloadavg()[0]
+    print(f"# load average at end {load1:.1f} on {os.cpu_count()} cpus; wall {time.perf_counter() - t_start:.0f} s. "
+          "On a shared machine every figure moves with the load; torch's OpenMP barriers suffer most from it.")
     fields = [f"threads={n}"]
     fields += [f"bw_gbps_b{B}={med[f'ours_b{B}']:.2f}" for B in batches]
     fields += [
         f"read_gbps={read:.2f}",
         f"torch_gbps={med['torch_b1']:.2f}",
-        f"read_ratio={med['ours_b1'] / read:.3f}",
-        f"torch_ratio={med['ours_b1'] / med['torch_b1']:.3f}",
+        f"read_ratio={ratio('ours_b1', 'read'):.3f}",
+        f"torch_ratio={ratio('ours_b1', 'torch_b1'):.3f}",
         "kt_ratio=nan",
+        f"bw_best_gbps_b1={best['ours_b1']:.2f}",
+        f"read_best_gbps={best['read']:.2f}",
         f"prefill_gflops={po:.1f}",
         f"prefill_torch_gflops={pt:.1f}",
-        f"prefill_ratio={po / pt:.3f}",
+        f"prefill_ratio={ratio('prefill_ours', 'prefill_torch'):.3f}",
+        f"load_avg={max(load0, load1):.1f}",
     ]
     print("cpu_expert_kernel " + " ".join(fields))
 
