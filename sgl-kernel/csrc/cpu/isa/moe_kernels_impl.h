@@ -49,6 +49,41 @@ static inline uint16_t f32_to_bf16(float f) {
 #endif
 
 // ------------------------------------------------------------------ dot tiles
+#if SGLK_ISA_LEVEL == 2
+// Horizontal sums of four accumulators at once, with exactly the pairing tree
+// of _mm512_reduce_add_ps (lanes i + i+8, then + i+4, then + i+2, then + i+1;
+// IEEE addition is commutative, so operand order does not matter): every dot
+// of every tile shape ends with this same tree. Writes the n <= 4 sums of
+// a, b, c, d (in this order) to y[0..n).
+template <int NS>
+static inline __attribute__((always_inline)) void reduce4_store(__m512 a, __m512 b, __m512 c, __m512 d, float* y) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // [a|b|c|d] 128-bit blocks: (i) + (i + 4) of each 256-bit half
+  const __m512 v6 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const __m512 v8 = _mm512_add_ps(v6, _mm512_permute_ps(v6, 0x4E));   // (0 + 2), (1 + 3)
+  const __m512 v9 = _mm512_add_ps(v8, _mm512_permute_ps(v8, 0xB1));   // (0 + 1)
+  const __m128 s = _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, v9));
+  if constexpr (NS == 4)
+    _mm_storeu_ps(y, s);
+  else
+    _mm_mask_storeu_ps(y, static_cast<__mmask8>((1u << NS) - 1u), s);
+}
+
+// y[c][r0 + r] = sum of acc[r][c] for the R x C accumulators of a tile.
+template <int R, int C>
+static inline __attribute__((always_inline)) void reduce_tile(__m512 (&acc)[R][C], float* const* y, int64_t r0) {
+  const __m512 z = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    int r = 0;
+    for (; r + 4 <= R; r += 4) reduce4_store<4>(acc[r][c], acc[r + 1][c], acc[r + 2][c], acc[r + 3][c], y[c] + r0 + r);
+    if constexpr (R % 4 == 1) reduce4_store<1>(acc[R - 1][c], z, z, z, y[c] + r0 + R - 1);
+    if constexpr (R % 4 == 2) reduce4_store<2>(acc[R - 2][c], acc[R - 1][c], z, z, y[c] + r0 + R - 2);
+    if constexpr (R % 4 == 3) reduce4_store<3>(acc[R - 3][c], acc[R - 2][c], acc[R - 1][c], z, y[c] + r0 + R - 3);
+  }
+}
+#endif
+
 // dot_micro<R, C>: the R x C block of dots of rows w + r * w_rs (r < R) with
 // columns x[c] (c < C); writes y[c][r0 + r].
 
@@ -86,8 +121,7 @@ static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* co
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)wv[r], (__m512bh)xv);
     }
   }
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) y[c][r0 + r] = _mm512_reduce_add_ps(acc[r][c]);
+  reduce_tile<R, C>(acc, y, r0);
 }
 
 #elif SGLK_ISA_LEVEL == 2
@@ -130,8 +164,7 @@ static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* co
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
     }
   }
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) y[c][r0 + r] = _mm512_reduce_add_ps(acc[r][c]);
+  reduce_tile<R, C>(acc, y, r0);
 }
 
 #elif SGLK_ISA_LEVEL == 1
