@@ -53,9 +53,9 @@ namespace sglk {
 namespace {
 
 // ----------------------------------------------------------- scratch memory
-// Grow-only cache of 64-byte aligned buffers, so that steady-state calls do not
-// fault fresh pages in. A buffer returns to the cache when its last user drops
-// it (the caller's wait or the pool thread retiring the last job).
+// Cache of 64-byte aligned buffers (at most 4 kept), so that steady-state calls
+// do not fault fresh pages in. A buffer returns to the cache when the waiting
+// thread releases the call (PoolJob::release), never in a pool thread.
 class ScratchCache {
  public:
   static ScratchCache& get() {
@@ -107,11 +107,11 @@ int64_t scratch_budget() {
   const double mb = e && *e ? std::atof(e) : 64.0;
   return std::max<int64_t>(1, static_cast<int64_t>(mb * (1 << 20)));
 }
-constexpr int64_t kItemBytes = 128 << 10;       // weight bytes per phase-1/2 item
-constexpr int64_t kColBlock = 512;              // out columns per phase-3 item
+constexpr int64_t kItemBytes = 128 << 10;  // weight bytes per phase-1/2 item
+constexpr int64_t kColBlock = 512;         // out columns per phase-3 item
 
 // State shared by the chunk jobs of one call. Holds references to the tensors
-// until the last job is retired.
+// (and the scratch) until the waiting thread releases the jobs.
 struct MoeCall {
   at::Tensor hidden, topk, out;
   std::vector<at::Tensor> rows, w13, w2;
@@ -121,8 +121,8 @@ struct MoeCall {
   std::vector<int32_t> set_of;  // [T*K]: set of entry t*K+k, or -1
   std::vector<int32_t> row_of;  // [T*K]: row in that set
   std::shared_ptr<char> scratch;
-  float* Y = nullptr;      // [chunk tokens * K, H]: per-(t,k) expert outputs
-  uint16_t* hbuf = nullptr;  // [chunk tokens * K, I]: per grouped entry h (bf16)
+  float* Y = nullptr;         // [chunk tokens * K, H]: per-(t,k) expert outputs
+  uint16_t* hbuf = nullptr;  // [chunk tokens * K, I]: h (bf16) per grouped entry
 };
 
 struct Expert {

@@ -232,30 +232,32 @@ static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* co
 #endif
 
 // All column tiles of R rows starting at row r0 (w already points at row r0).
-// The first column tile prefetches the next row tile (see above).
+// With pf, the first column tile prefetches the next row tile (see above);
+// the caller passes pf only when that tile belongs to the same call, so that
+// a thread never pulls in rows another thread's work item will stream.
 template <int R, int C>
-static inline void dot_first(bool first, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n,
+static inline void dot_first(bool pf, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n,
                              float* const* y, int64_t r0) {
-  if (first)
+  if (pf)
     dot_micro<R, C, true>(w, w_rs, x, n, y, r0);
   else
     dot_micro<R, C, false>(w, w_rs, x, n, y, r0);
 }
 
 template <int R, int CM>
-static inline void dot_cols(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols, int64_t n,
-                            float* const* y, int64_t r0) {
+static inline void dot_cols(bool pf, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols,
+                            int64_t n, float* const* y, int64_t r0) {
   int64_t c = 0;
-  for (; c + CM <= cols; c += CM) dot_first<R, CM>(c == 0, w, w_rs, x + c, n, y + c, r0);
+  for (; c + CM <= cols; c += CM) dot_first<R, CM>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
   const int64_t cr = cols - c;
   if constexpr (CM > 1) {
-    if (cr == 1) dot_first<R, 1>(c == 0, w, w_rs, x + c, n, y + c, r0);
+    if (cr == 1) dot_first<R, 1>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
   }
   if constexpr (CM > 2) {
-    if (cr == 2) dot_first<R, 2>(c == 0, w, w_rs, x + c, n, y + c, r0);
+    if (cr == 2) dot_first<R, 2>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
   }
   if constexpr (CM > 3) {
-    if (cr == 3) dot_first<R, 3>(c == 0, w, w_rs, x + c, n, y + c, r0);
+    if (cr == 3) dot_first<R, 3>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
   }
   static_assert(CM <= 4, "column remainders above 3 are not dispatched");
 }
@@ -266,7 +268,7 @@ struct RowRest {
   static inline void run(int64_t rr, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols,
                          int64_t n, float* const* y, int64_t r0) {
     if (rr == R)
-      dot_cols<R, CM>(w, w_rs, x, cols, n, y, r0);
+      dot_cols<R, CM>(false, w, w_rs, x, cols, n, y, r0);
     else
       RowRest<R - 1, CM>::run(rr, w, w_rs, x, cols, n, y, r0);
   }
@@ -284,7 +286,7 @@ static inline void dot_rows(const uint16_t* w, int64_t w_rs, int64_t rows, const
                             int64_t n, float* const* y) {
   constexpr int R = DotRows<CM>::R;
   int64_t r = 0;
-  for (; r + R <= rows; r += R) dot_cols<R, CM>(w + r * w_rs, w_rs, x, cols, n, y, r);
+  for (; r + R <= rows; r += R) dot_cols<R, CM>(r + 2 * R <= rows, w + r * w_rs, w_rs, x, cols, n, y, r);
   if (r < rows) RowRest<R - 1, CM>::run(rows - r, w + r * w_rs, w_rs, x, cols, n, y, r);
 }
 
