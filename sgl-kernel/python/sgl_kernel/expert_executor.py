@@ -28,8 +28,9 @@ count, however the (t, k) entries are split over sets (or banks), and however
 many tokens are processed per call chunk: each dot product is computed whole by
 one thread with a fixed operation order, each (t, k) output has its own float32
 scratch row, and the k-sum runs in k order. So GPU-slot and CPU-pool partial
-results of one routing merge exactly. Different ISA levels differ in rounding
-(about 1e-6 relative).
+results of one routing merge exactly. Different ISA levels differ in the last
+bits of the float32 sums (and so, rarely, in the bf16 rounding of an element of
+``h``).
 
 Threads: created on first use, one per physical core of the process's affinity
 set (``expert_pool_set_threads`` changes it), pinned with ``sched_setaffinity``;
