@@ -179,6 +179,13 @@ def test_rows_absent_everywhere_contribute_nothing():
     assert torch.equal(acc[1], torch.full((64,), 7.0))
     empty = torch.empty(0, 64)
     moe_experts_cpu(x[:0], tw[:0], [rows[:0]], [w13], [w2], empty)  # T = 0: no-op
+    h = moe_experts_cpu_submit(x[:0], tw[:0], [rows[:0]], [w13], [w2], empty, False)
+    moe_experts_cpu_wait(h)
+    no_h = torch.empty(4, 0)  # H = 0
+    moe_experts_cpu(x[:, :0].contiguous(), tw, [rows], [w13[:, :, :0].contiguous()], [w2[:, :0].contiguous()], no_h)
+    zero_i = torch.full((4, 64), 7.0)  # I = 0: every expert outputs 0
+    moe_experts_cpu(x, tw, [rows], [w13[:, :0].contiguous()], [w2[:, :, :0].contiguous()], zero_i)
+    assert torch.equal(zero_i, torch.zeros(4, 64))
 
 
 def test_errors_say_what_to_fix():

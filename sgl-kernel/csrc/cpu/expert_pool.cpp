@@ -122,6 +122,7 @@ std::string PoolJob::error() {
 }
 
 bool ItemJob::run(int worker) {
+  if (n_items_ == 0) return !empty_claimed_.exchange(true);  // complete at once
   bool completed = false;
   for (;;) {
     const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);

@@ -53,7 +53,7 @@ class PoolJob {
   std::string error_;
 };
 
-// A job of n >= 1 independent-or-ordered work items, handed out in index order.
+// A job of n work items (n = 0: complete at once), handed out in index order.
 // An item may wait (spin_until) only for items of lower index: they were handed
 // out earlier to running threads, so the wait always ends.
 class ItemJob : public PoolJob {
@@ -66,6 +66,7 @@ class ItemJob : public PoolJob {
 
  private:
   int64_t n_items_ = 0;
+  std::atomic<bool> empty_claimed_{false};
   std::atomic<int64_t> next_{0};
   std::atomic<int64_t> completed_{0};
 };

@@ -335,6 +335,7 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
             "topk_weights must be a 2-D [T, K] float32 CPU tensor with T = ", T, " (hidden's rows), got ",
             topk_weights.scalar_type(), " ", topk_weights.sizes());
   const int64_t K = topk_weights.size(1);
+  MOE_CHECK(T * K < (int64_t{1} << 31), "T * K = ", T * K, " (t, k) entries exceed 2^31; call in token chunks");
   MOE_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T &&
                 out.size(1) == H && out.is_contiguous(),
             "out must be a contiguous [T, H] = [", T, ", ", H, "] float32 CPU tensor, got ", out.scalar_type(), " ",
@@ -397,7 +398,7 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   }
 
   std::vector<std::shared_ptr<PoolJob>> jobs;
-  if (T == 0) return jobs;
+  if (T == 0 || H == 0) return jobs;  // nothing to write
   const int64_t per_token = std::max<int64_t>(1, K * (4 * H + 2 * I));
   const int64_t chunk = std::clamp<int64_t>(scratch_budget() / per_token, 1, T);
   const int64_t y_bytes = chunk * K * H * 4;
