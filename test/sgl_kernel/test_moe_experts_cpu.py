@@ -168,6 +168,40 @@ def test_submit_wait_equals_sync():
         moe_experts_cpu_wait(ha)
 
 
+def test_concurrent_callers():
+    """Python threads calling and submitting at once (the GIL is released while
+    the pool works): every call still gets its own exact result."""
+    import threading
+
+    probs = [make_problem(4, 8, 72, 37, 24, seed=s) for s in range(3)]
+    want = []
+    for x, tw, rows, w13, w2 in probs:
+        o = torch.empty(4, 72)
+        moe_experts_cpu(x, tw, [rows], [w13], [w2], o)
+        want.append(o)
+    errors = []
+
+    def worker(i):
+        try:
+            x, tw, rows, w13, w2 = probs[i]
+            for it in range(15):
+                o = torch.empty(4, 72)
+                if it % 2:
+                    moe_experts_cpu_wait(moe_experts_cpu_submit(x, tw, [rows], [w13], [w2], o, False))
+                else:
+                    moe_experts_cpu(x, tw, [rows], [w13], [w2], o)
+                assert torch.equal(o, want[i])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def test_rows_absent_everywhere_contribute_nothing():
     x, tw, rows, w13, w2 = make_problem(4, 8, 64, 32, 16, pad=0.0)
     rows[1] = -1  # token 1: no expert at all
