@@ -18,11 +18,17 @@ package supplies them, written from scratch for this fork:
   ``copy_all_layer_kv_cache_cpu`` (memory management);
 * :mod:`sgl_kernel.mamba`: ``causal_conv1d_fn_cpu``,
   ``causal_conv1d_update_cpu``, ``chunk_gated_delta_rule_cpu``;
+* :mod:`sgl_kernel.expert_executor`: the CPU expert executor
+  (``moe_experts_cpu``, ``moe_experts_cpu_submit`` / ``moe_experts_cpu_wait``,
+  ``expert_pool_set_threads``, ``expert_pool_info``,
+  ``expert_pool_read_bandwidth``; ops of the same names in
+  ``torch.ops.sgl_kernel``);
 * speculative-decoding names upstream imports at module import time; they
   raise a RuntimeError when called (see :mod:`sgl_kernel.speculative`).
 
-The SIMD kernels are built for scalar, AVX2 and AVX-512 and picked at run time
-(``cpu_isa()``; ``SGLANG_CPU_KERNEL_ISA=avx2`` etc. caps the choice).
+The SIMD kernels are built for scalar, AVX2 and AVX-512 (plus AVX512_BF16 for
+the expert executor) and picked at run time (``cpu_isa()``;
+``SGLANG_CPU_KERNEL_ISA=avx2`` etc. caps the choice).
 """
 
 import importlib.util
@@ -34,7 +40,7 @@ from . import _C  # noqa: F401  (registers torch.ops.sgl_kernel.*)
 if importlib.util.find_spec("sgl_kernel._C_cuda") is not None:  # CUDA build only
     from . import _C_cuda  # noqa: F401
 
-from . import mamba, ops, speculative  # noqa: E402
+from . import expert_executor, mamba, ops, speculative  # noqa: E402
 from .ops import (  # noqa: E402
     assign_req_to_token_pool_cpu,
     copy_all_layer_kv_cache_cpu,
@@ -59,6 +65,7 @@ __all__ = [
     "copy_all_layer_kv_cache_cpu",
     "cpu_isa",
     "set_cpu_isa",
+    "expert_executor",
     "mamba",
     "ops",
     "speculative",
