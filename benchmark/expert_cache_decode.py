@@ -5,8 +5,8 @@ routed-expert pool, against the stock MoE path, in one run.
 For each variant a server is started on the tiny model (default: the hybrid Qwen3-Next),
 and for each of ``--batch`` concurrent requests a prompt of ``--prompt-len`` random tokens is
 decoded greedily for ``--new-tokens`` tokens, streamed. Decode rate = tokens after the first
-/ time from the first streamed token to the last (prefill excluded), summed over the batch;
-best of ``--repeats`` (the best run is the one least disturbed by other load on the machine). Printed: a line per variant, then last
+(server-counted) / time from the first streamed chunk to the last (prefill excluded), summed
+over the batch; median of ``--repeats`` runs. Printed: a line per variant, then last
 
     expert_cache_decode model=... batch=B stock_tps=... c25_tps=... c50_tps=... c100_tps=... c25_ratio=... c50_ratio=... c100_ratio=...
 
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,18 +66,24 @@ def _stream_decode(url: str, ids: list[int], n: int) -> tuple[int, float]:
         stream=True,
     )
     r.raise_for_status()
-    stamps = []
+    first = last = None
     for line in r.iter_lines():
-        if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-            stamps.append(time.perf_counter())
-    return len(stamps) - 1, stamps[-1] - stamps[0]
+        if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+            continue
+        done = json.loads(line[5:])["meta_info"]["completion_tokens"]
+        now = time.perf_counter()
+        if first is None:
+            first = (done, now)
+        last = (done, now)
+    # A chunk may carry several tokens: count tokens, not chunks.
+    return last[0] - first[0], last[1] - first[1]
 
 
 def decode_tps(url: str, args, seed: int) -> float:
-    """Best aggregate decode tokens/s over ``args.repeats`` runs of ``args.batch`` concurrent
+    """Median aggregate decode tokens/s over ``args.repeats`` runs of ``args.batch`` concurrent
     streams (fresh prompts each run, so the prefix cache never serves them)."""
     g = torch.Generator().manual_seed(seed)
-    best = 0.0
+    rates = []
     _stream_decode(url, torch.randint(10, 30000, (args.prompt_len,), generator=g).tolist(), 8)
     for _ in range(args.repeats):
         prompts = [
@@ -86,8 +94,8 @@ def decode_tps(url: str, args, seed: int) -> float:
             runs = list(pool.map(lambda ids: _stream_decode(url, ids, args.new_tokens + 1), prompts))
         tokens = sum(n for n, _ in runs)
         seconds = max(t for _, t in runs)
-        best = max(best, tokens / max(seconds, 1e-9))
-    return best
+        rates.append(tokens / max(seconds, 1e-9))
+    return statistics.median(rates)
 
 
 def main(argv=None) -> int:
