@@ -147,6 +147,9 @@ def cmd_apply(site: Path) -> None:
     if st == "stale":
         sys.exit("installed sglang carries an older patch series; reinstall pristine upstream first")
     if st == "pristine":
+        # Stamp first: a patch that fails part-way leaves a tree that reads as stale, not
+        # pristine, so the next setup reinstalls upstream instead of patching twice.
+        (site / "sglang" / STAMP).write_text("partial\n")
         apply_series(site)
         (site / "sglang" / STAMP).write_text(series_digest() + "\n")
     n = link_modules(site)

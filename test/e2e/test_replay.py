@@ -257,6 +257,8 @@ def test_summary_line():
     assert s.line() == ("agent_replay requests=3 cached_tokens=70 reusable_tokens=100 "
                         "wasted_tokens=30 reuse_ratio=0.700")
     assert ar.ReplaySummary(1, 0, 0, 5, 0).line().endswith("wasted_tokens=0 reuse_ratio=1.000")
+    # A failed request's tokens are missing from the sums: the line must say so.
+    assert ar.ReplaySummary(2, 0, 0, 5, 1).line().endswith("reuse_ratio=1.000 failed=1")
 
 
 def test_prepare_body_caps_only_present_length_fields():

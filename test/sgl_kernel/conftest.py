@@ -20,9 +20,9 @@ except ImportError as e:  # pragma: no cover - reported as a collection error
     ) from e
 
 
-def _available_isas():
+def _available_isas(names=("avx512", "avx2", "scalar")):
     isas = []
-    for name in ("avx512", "avx2", "scalar"):
+    for name in names:
         try:
             torch.ops.sgl_kernel.set_cpu_isa(name)
             isas.append(name)
@@ -33,11 +33,22 @@ def _available_isas():
 
 
 ISAS = _available_isas()
+# The expert executor has one more level: avx512bf16 (vdpbf16ps dots); for the
+# other ops it runs the avx512 kernels, so only the executor's tests sweep it.
+MOE_ISAS = _available_isas(("avx512bf16", "avx512", "avx2", "scalar"))
 
 
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Run the test once per SIMD kernel set this CPU supports."""
+    torch.ops.sgl_kernel.set_cpu_isa(request.param)
+    yield request.param
+    torch.ops.sgl_kernel.set_cpu_isa("auto")
+
+
+@pytest.fixture(params=MOE_ISAS)
+def moe_isa(request):
+    """Run the test once per expert-executor kernel level this CPU supports."""
     torch.ops.sgl_kernel.set_cpu_isa(request.param)
     yield request.param
     torch.ops.sgl_kernel.set_cpu_isa("auto")

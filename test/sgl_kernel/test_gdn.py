@@ -356,4 +356,4 @@ def test_prefill_then_decode_matches_longer_prefill(isa):
 
 
 def test_isa_is_reported():
-    assert sgl_kernel.cpu_isa() in ("avx512", "avx2", "scalar")
+    assert sgl_kernel.cpu_isa() in ("avx512bf16", "avx512", "avx2", "scalar")

@@ -886,9 +886,11 @@ class ReplaySummary:
 
     def line(self, prefix: str = "agent_replay") -> str:
         """``agent_replay requests=N cached_tokens=C reusable_tokens=R wasted_tokens=R-C
-        reuse_ratio=C/R``."""
-        return (
+        reuse_ratio=C/R``, plus ``failed=F`` when any request failed (its tokens are then
+        missing from the sums, so the ratio alone would hide it)."""
+        line = (
             f"{prefix} requests={self.requests} cached_tokens={self.cached_tokens} "
             f"reusable_tokens={self.reusable_tokens} wasted_tokens={self.wasted_tokens} "
             f"reuse_ratio={self.reuse_ratio:.3f}"
         )
+        return line + (f" failed={self.failed}" if self.failed else "")

@@ -9,15 +9,18 @@
 #include <vector>
 
 #include "isa/kernel_args.h"
+#include "isa/moe_kernel_args.h"
 
 namespace sglk {
 
 // Kernel table of the ISA selected at load time (see dispatch.cpp).
 const IsaKernels& kernels();
-// Name of the selected ISA: "avx512", "avx2" or "scalar".
+// Kernel table of the CPU expert executor for the same level.
+const MoeKernels& moe_kernels();
+// Name of the selected ISA level: "avx512bf16", "avx512", "avx2" or "scalar".
 std::string current_isa();
-// Select an ISA by name ("auto", "avx512", "avx2", "scalar"); errors if the
-// CPU lacks it. Returns the name now in use.
+// Select an ISA level by name ("auto", "avx512bf16", "avx512", "avx2",
+// "scalar"); errors if the CPU lacks it. Returns the name now in use.
 std::string select_isa(const std::string& name);
 
 inline DT dt_of(const at::Tensor& t, const char* what) {

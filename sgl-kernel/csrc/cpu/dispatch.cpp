@@ -1,9 +1,16 @@
-// Runtime selection of the SIMD kernel table.
+// Runtime selection of the SIMD kernel tables.
 //
-// The kernels are compiled three times (isa/kernels_{scalar,avx2,avx512}.cpp)
-// and the best level the running CPU supports is picked on first use, so the
-// extension runs on any x86-64 (and any other architecture through the scalar
-// build). SGLANG_CPU_KERNEL_ISA=scalar|avx2|avx512 caps the choice; the
+// The kernels are compiled once per ISA level (isa/kernels_{scalar,avx2,
+// avx512}.cpp and isa/kernels_moe_{scalar,avx2,avx512,avx512bf16}.cpp) and the
+// best level the running CPU supports is picked on first use, so the extension
+// runs on any x86-64 (and any other architecture through the scalar build).
+// Levels, best first:
+//   avx512bf16  AVX-512 F/BW/VL/DQ + AVX512_BF16: the expert executor's bf16
+//               dots use vdpbf16ps; every other kernel is the avx512 one
+//   avx512      AVX-512 F/BW/VL/DQ
+//   avx2        AVX2 + FMA
+//   scalar      portable C++
+// SGLANG_CPU_KERNEL_ISA=avx512bf16|avx512|avx2|scalar caps the choice; the
 // sgl_kernel.set_cpu_isa op switches it at run time (used by the tests to
 // check every level against the same references).
 #include <ATen/ATen.h>
@@ -36,58 +43,86 @@ bool cpu_has_avx512() {
 #endif
 }
 
-const IsaKernels* table_for(const std::string& name) {
-  if (name == "avx512") return cpu_has_avx512() ? sglk_isa_kernels_avx512() : nullptr;
-  if (name == "avx2") return cpu_has_avx2() ? sglk_isa_kernels_avx2() : nullptr;
-  if (name == "scalar") return sglk_isa_kernels_scalar();
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// One selectable level: the general kernel table and the expert executor's.
+struct Level {
+  const char* name;
+  const IsaKernels* isa;
+  const MoeKernels* moe;
+};
+
+const Level* level_for(const std::string& name) {
+  static const Level bf16{"avx512bf16", sglk_isa_kernels_avx512(), sglk_moe_kernels_avx512bf16()};
+  static const Level avx512{"avx512", sglk_isa_kernels_avx512(), sglk_moe_kernels_avx512()};
+  static const Level avx2{"avx2", sglk_isa_kernels_avx2(), sglk_moe_kernels_avx2()};
+  static const Level scalar{"scalar", sglk_isa_kernels_scalar(), sglk_moe_kernels_scalar()};
+  if (name == "avx512bf16") return cpu_has_avx512bf16() ? &bf16 : nullptr;
+  if (name == "avx512") return cpu_has_avx512() ? &avx512 : nullptr;
+  if (name == "avx2") return cpu_has_avx2() ? &avx2 : nullptr;
+  if (name == "scalar") return &scalar;
   return nullptr;
 }
 
-const IsaKernels* best_table() {
-  std::string cap = "avx512";
+bool is_level_name(const std::string& n) {
+  return n == "avx512bf16" || n == "avx512" || n == "avx2" || n == "scalar";
+}
+
+const Level* best_level() {
+  std::string cap = "avx512bf16";
   if (const char* env = std::getenv("SGLANG_CPU_KERNEL_ISA")) {
     std::string e(env);
     if (!e.empty() && e != "auto") {
-      TORCH_CHECK(e == "avx512" || e == "avx2" || e == "scalar",
-                  "SGLANG_CPU_KERNEL_ISA must be auto, avx512, avx2 or scalar, got '", e, "'");
+      TORCH_CHECK(is_level_name(e), "SGLANG_CPU_KERNEL_ISA must be auto, avx512bf16, avx512, avx2 or scalar, got '",
+                  e, "'");
       cap = e;
     }
   }
-  const char* order[] = {"avx512", "avx2", "scalar"};
+  const char* order[] = {"avx512bf16", "avx512", "avx2", "scalar"};
   bool allowed = false;
   for (const char* n : order) {
     if (cap == n) allowed = true;
     if (!allowed) continue;
-    if (const IsaKernels* t = table_for(n)) return t;
+    if (const Level* l = level_for(n)) return l;
   }
-  return sglk_isa_kernels_scalar();
+  return level_for("scalar");
 }
 
-std::atomic<const IsaKernels*> g_table{nullptr};
+std::atomic<const Level*> g_level{nullptr};
+
+const Level& level() {
+  const Level* l = g_level.load(std::memory_order_acquire);
+  if (l == nullptr) {
+    l = best_level();
+    g_level.store(l, std::memory_order_release);
+  }
+  return *l;
+}
 
 }  // namespace
 
-const IsaKernels& kernels() {
-  const IsaKernels* t = g_table.load(std::memory_order_acquire);
-  if (t == nullptr) {
-    t = best_table();
-    g_table.store(t, std::memory_order_release);
-  }
-  return *t;
-}
+const IsaKernels& kernels() { return *level().isa; }
 
-std::string current_isa() { return kernels().name; }
+const MoeKernels& moe_kernels() { return *level().moe; }
+
+std::string current_isa() { return level().name; }
 
 std::string select_isa(const std::string& name) {
   if (name == "auto") {
-    g_table.store(best_table(), std::memory_order_release);
+    g_level.store(best_level(), std::memory_order_release);
     return current_isa();
   }
-  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar",
-              "ISA must be auto, avx512, avx2 or scalar, got '", name, "'");
-  const IsaKernels* t = table_for(name);
-  TORCH_CHECK(t != nullptr, "this CPU does not support the ", name, " kernels");
-  g_table.store(t, std::memory_order_release);
+  TORCH_CHECK(is_level_name(name), "ISA must be auto, avx512bf16, avx512, avx2 or scalar, got '", name, "'");
+  const Level* l = level_for(name);
+  TORCH_CHECK(l != nullptr, "this CPU does not support the ", name, " kernels");
+  g_level.store(l, std::memory_order_release);
   return current_isa();
 }
 

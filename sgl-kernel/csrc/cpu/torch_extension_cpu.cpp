@@ -45,6 +45,14 @@ void assign_req_to_token_pool_cpu(const at::Tensor& req_pool_indices, const at::
 void copy_all_layer_kv_cache_cpu(const at::Tensor& data_ptrs, const at::Tensor& data_strides,
                                  const at::Tensor& tgt_loc, const at::Tensor& src_loc);
 at::Tensor murmur_hash32_cpu(const at::Tensor& seed, const at::Tensor& positions, const at::Tensor& col_indices);
+void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
+                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate);
+int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
+                               at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate);
+void moe_experts_cpu_wait(int64_t handle);
+int64_t expert_pool_set_threads(int64_t n);
+std::string expert_pool_info();
+double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes);
 
 namespace {
 std::string cpu_isa() { return current_isa(); }
@@ -87,6 +95,18 @@ TORCH_LIBRARY(sgl_kernel, m) {
   // sampling
   m.def("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor");
 
+  // CPU expert executor (python/sgl_kernel/expert_executor.py)
+  m.def(
+      "moe_experts_cpu(Tensor hidden, Tensor topk_weights, Tensor[] expert_rows, Tensor[] w13, Tensor[] w2, "
+      "Tensor(a!) out, bool accumulate) -> ()");
+  m.def(
+      "moe_experts_cpu_submit(Tensor hidden, Tensor topk_weights, Tensor[] expert_rows, Tensor[] w13, Tensor[] w2, "
+      "Tensor(a!) out, bool accumulate) -> int");
+  m.def("moe_experts_cpu_wait(int handle) -> ()", &sglk::moe_experts_cpu_wait);
+  m.def("expert_pool_set_threads(int n) -> int", &sglk::expert_pool_set_threads);
+  m.def("expert_pool_info() -> str", &sglk::expert_pool_info);
+  m.def("expert_pool_read_bandwidth(Tensor buffer, int passes) -> float");
+
   // kernel ISA selection (diagnostics / tests)
   m.def("cpu_isa() -> str", &sglk::cpu_isa);
   m.def("set_cpu_isa(str name) -> str", &sglk::set_cpu_isa);
@@ -103,6 +123,9 @@ TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
   m.impl("assign_req_to_token_pool_cpu", &sglk::assign_req_to_token_pool_cpu);
   m.impl("copy_all_layer_kv_cache_cpu", &sglk::copy_all_layer_kv_cache_cpu);
   m.impl("murmur_hash32_cpu", &sglk::murmur_hash32_cpu);
+  m.impl("moe_experts_cpu", &sglk::moe_experts_cpu);
+  m.impl("moe_experts_cpu_submit", &sglk::moe_experts_cpu_submit);
+  m.impl("expert_pool_read_bandwidth", &sglk::expert_pool_read_bandwidth);
 }
 
 // The extension is imported as the Python module sgl_kernel._C; importing it

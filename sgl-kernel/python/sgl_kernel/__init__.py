@@ -11,15 +11,24 @@ package supplies them, written from scratch for this fork:
   ``fused_sigmoid_mul_cpu``, ``assign_req_to_token_pool_cpu``,
   ``copy_all_layer_kv_cache_cpu``, ``murmur_hash32_cpu``, plus ``cpu_isa`` /
   ``set_cpu_isa``. Each is documented in :mod:`sgl_kernel.ops`.
+* ``torch.ops.sgl_kernel.expert_cache_control`` / ``expert_bank_copy`` (CPU here,
+  CUDA in ``sgl_kernel._C_cuda``): the expert slot cache, documented in
+  ``sglang/srt/layers/moe/expert_cache/control.py``.
 * top-level Python functions ``assign_req_to_token_pool_cpu`` and
   ``copy_all_layer_kv_cache_cpu`` (memory management);
 * :mod:`sgl_kernel.mamba`: ``causal_conv1d_fn_cpu``,
   ``causal_conv1d_update_cpu``, ``chunk_gated_delta_rule_cpu``;
+* :mod:`sgl_kernel.expert_executor`: the CPU expert executor
+  (``moe_experts_cpu``, ``moe_experts_cpu_submit`` / ``moe_experts_cpu_wait``,
+  ``expert_pool_set_threads``, ``expert_pool_info``,
+  ``expert_pool_read_bandwidth``; ops of the same names in
+  ``torch.ops.sgl_kernel``);
 * speculative-decoding names upstream imports at module import time; they
   raise a RuntimeError when called (see :mod:`sgl_kernel.speculative`).
 
-The SIMD kernels are built for scalar, AVX2 and AVX-512 and picked at run time
-(``cpu_isa()``; ``SGLANG_CPU_KERNEL_ISA=avx2`` etc. caps the choice).
+The SIMD kernels are built for scalar, AVX2 and AVX-512 (plus AVX512_BF16 for
+the expert executor) and picked at run time (``cpu_isa()``;
+``SGLANG_CPU_KERNEL_ISA=avx2`` etc. caps the choice).
 """
 
 import importlib.util
@@ -31,7 +40,7 @@ from . import _C  # noqa: F401  (registers torch.ops.sgl_kernel.*)
 if importlib.util.find_spec("sgl_kernel._C_cuda") is not None:  # CUDA build only
     from . import _C_cuda  # noqa: F401
 
-from . import mamba, ops, speculative  # noqa: E402
+from . import expert_executor, mamba, ops, speculative  # noqa: E402
 from .ops import (  # noqa: E402
     assign_req_to_token_pool_cpu,
     copy_all_layer_kv_cache_cpu,
@@ -56,6 +65,7 @@ __all__ = [
     "copy_all_layer_kv_cache_cpu",
     "cpu_isa",
     "set_cpu_isa",
+    "expert_executor",
     "mamba",
     "ops",
     "speculative",

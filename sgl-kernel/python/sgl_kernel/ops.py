@@ -349,12 +349,16 @@ def murmur_hash32(
 
 
 def cpu_isa() -> str:
-    """Name of the SIMD kernel set in use: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    """Name of the SIMD kernel level in use: ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"scalar"``.
+
+    ``avx512bf16`` (AVX-512 with AVX512_BF16) differs from ``avx512`` only in
+    the CPU expert executor, whose bf16 dots then use ``vdpbf16ps``.
+    """
     return _ops.cpu_isa()
 
 
 def set_cpu_isa(name: str) -> str:
-    """Switch the SIMD kernel set (``"auto"``, ``"avx512"``, ``"avx2"``, ``"scalar"``).
+    """Switch the SIMD kernel level (``"auto"``, ``"avx512bf16"``, ``"avx512"``, ``"avx2"``, ``"scalar"``).
 
     Raises if the CPU lacks the requested ISA. Returns the name now in use.
     Meant for tests and diagnostics; the default (``auto``, capped by the

@@ -1,0 +1,256 @@
+"""CPU expert executor benchmark: decode bandwidth and prefill throughput.
+
+Qwen3-30B-A3B expert shapes (hidden 2048, expert intermediate 768, bf16: 9.4 MB
+per expert). A bank of --experts experts (default 256, 2.4 GB, far beyond the
+last-level cache) is filled once; each decode step routes --batch-max tokens x
+top-8 to experts not touched for a whole cycle of the bank (consecutive blocks,
+all distinct), so every step streams its experts from memory.
+
+Measured in the same run, with the same thread count (--threads, default one
+per physical core; torch.set_num_threads is set to the same count):
+
+* read: sequential read bandwidth of the pool threads over the bank (one
+  contiguous slice per thread, ``expert_pool_read_bandwidth``, C++ SIMD loads);
+* ours: ``moe_experts_cpu`` per decode step, batch 1..4; effective bandwidth =
+  bytes of the step's distinct experts / wall time of the call;
+* torch: the same steps with torch's own CPU ops (bf16 ``F.linear`` per expert,
+  SiLU-and-mul, weighted sum);
+* kt-kernel: only if ``import kt_kernel`` works (no adapter is written; it is
+  not installed here), else kt_ratio=nan;
+* prefill: --prefill-tokens tokens (512) over the first --prefill-experts
+  experts (64), top-8: GFLOP/s (2 * 3 * H * I per (token, k)) of ours vs torch
+  grouped per expert (index_select, two F.linear, index_add_).
+
+Measurements are interleaved in --rounds rounds (torch decode: --torch-steps
+steps per round), so that a shared machine's load hits all of them alike;
+figures are medians over rounds, ratios the median of same-round ratios. Last
+line (one line)::
+
+    cpu_expert_kernel threads=N bw_gbps_b1=.. bw_gbps_b2=.. bw_gbps_b3=.. bw_gbps_b4=.. read_gbps=..
+        torch_gbps=.. read_ratio=.. torch_ratio=.. kt_ratio=nan bw_best_gbps_b1=.. read_best_gbps=..
+        prefill_gflops=.. prefill_torch_gflops=.. prefill_ratio=.. load_avg=..
+
+Ratios at batch 1: read_ratio = ours / sequential read, torch_ratio = ours /
+torch (torch_gbps is torch at batch 1); *_best_* are the best rounds; load_avg
+is the 1-minute load average (start or end, the larger).
+
+    PYTHONPATH=sgl-kernel/python python benchmark/cpu_expert_kernel.py [--threads N] [--experts 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
+from sgl_kernel.expert_executor import (
+    expert_pool_info,
+    expert_pool_read_bandwidth,
+    expert_pool_set_threads,
+    moe_experts_cpu,
+)
+
+HIDDEN, INTER, TOPK = 2048, 768, 8
+
+
+def filled_bank(shape: tuple[int, ...], block: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor tiled with a random block (cheap to fill, same bytes to read)."""
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    flat = t.view(-1)
+    for i in range(0, flat.numel(), block.numel()):
+        n = min(block.numel(), flat.numel() - i)
+        flat[i : i + n] = block[:n]
+    return t
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.E = args.experts
+        g = torch.Generator().manual_seed(0)
+        block = (torch.randn(8 << 20, generator=g) * 0.02).bfloat16()
+        self.w13 = filled_bank((self.E, 2 * INTER, HIDDEN), block)
+        self.w2 = filled_bank((self.E, HIDDEN, INTER), block)
+        self.expert_bytes = 3 * HIDDEN * INTER * 2
+        self.cursor = 0  # next expert of the decode cycle
+        self.x = torch.randn(4, HIDDEN, generator=g).bfloat16()
+        self.tw = torch.rand(4, TOPK, generator=g)
+
+    # ----------------------------------------------------------------- decode
+    def next_rows(self, B: int) -> torch.Tensor:
+        n = B * TOPK
+        rows = (torch.arange(n, dtype=torch.int32) + self.cursor) % self.E
+        self.cursor = (self.cursor + n) % self.E
+        return rows.view(B, TOPK)
+
+    def decode_ours(self, B: int) -> float:
+        steps = max(2, self.E // (B * TOPK))  # one cycle through the bank
+        x, tw, out = self.x[:B].contiguous(), self.tw[:B].contiguous(), torch.empty(B, HIDDEN)
+        routes = [self.next_rows(B) for _ in range(steps)]
+        t0 = time.perf_counter()
+        for rows in routes:
+            moe_experts_cpu(x, tw, [rows], [self.w13], [self.w2], out)
+        dt = time.perf_counter() - t0
+        return steps * B * TOPK * self.expert_bytes / dt / 1e9
+
+    def decode_torch(self, B: int, max_steps: int) -> float:
+        steps = max(2, min(max_steps, self.E // (B * TOPK)))
+        x, tw = self.x[:B], self.tw[:B]
+        routes = [self.next_rows(B) for _ in range(steps)]
+        t0 = time.perf_counter()
+        for rows in routes:
+            out = torch.zeros(B, HIDDEN)
+            for t in range(B):
+                for k in range(TOPK):
+                    e = int(rows[t, k])
+                    gu = F.linear(x[t : t + 1], self.w13[e])
+                    h = F.silu(gu[:, :INTER]) * gu[:, INTER:]
+                    out[t] += tw[t, k] * F.linear(h, self.w2[e])[0].float()
+        dt = time.perf_counter() - t0
+        return steps * B * TOPK * self.expert_bytes / dt / 1e9
+
+    def read(self) -> float:
+        return expert_pool_read_bandwidth(self.w13, 1)
+
+    # ---------------------------------------------------------------- prefill
+    def prefill_setup(self, T: int, NE: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.px = torch.randn(T, HIDDEN, generator=g).bfloat16()
+        self.ptw = torch.rand(T, TOPK, generator=g)
+        self.prows = torch.stack([torch.randperm(NE, generator=g)[:TOPK] for _ in range(T)]).int()
+        self.pflop = 2.0 * 3 * HIDDEN * INTER * T * TOPK
+
+    def prefill_ours(self) -> tuple[float, torch.Tensor]:
+        out = torch.empty(self.px.shape[0], HIDDEN)
+        t0 = time.perf_counter()
+        moe_experts_cpu(self.px, self.ptw, [self.prows], [self.w13], [self.w2], out)
+        return self.pflop / (time.perf_counter() - t0) / 1e9, out
+
+    def prefill_torch(self) -> tuple[float, torch.Tensor]:
+        t0 = time.perf_counter()
+        out = torch.zeros(self.px.shape[0], HIDDEN)
+        for e in self.prows.unique().tolist():
+            t, k = (self.prows == e).nonzero(as_tuple=True)
+            gu = F.linear(self.px[t], self.w13[e])
+            h = F.silu(gu[:, :INTER]) * gu[:, INTER:]
+            y = F.linear(h, self.w2[e]).float() * self.ptw[t, k][:, None]
+            out.index_add_(0, t, y)
+        return self.pflop / (time.perf_counter() - t0) / 1e9, out
+
+
+def kt_kernel_status() -> str:
+    try:
+        import kt_kernel  # noqa: F401
+    except Exception as e:  # not installed here
+        return f"not importable ({type(e).__name__})"
+    return "importable, but no adapter is written in this benchmark"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=0, help="pool and torch threads (0: one per physical core)")
+    ap.add_argument("--experts", type=int, default=256, help="experts in the bank (9.4 MB each)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch-max", type=int, default=4)
+    ap.add_argument("--torch-steps", type=int, default=8, help="decode steps per torch measurement")
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--prefill-experts", type=int, default=64)
+    ap.add_argument("--prefill-rounds", type=int, default=2)
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    n = expert_pool_set_threads(args.threads)
+    torch.set_num_threads(n)
+    print(f"# pool: {expert_pool_info()}")
+    print(f"# torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+          f"cpus online {os.cpu_count()}, load average at start {load0:.1f}")
+    bench = Bench(args)
+    print(f"# bank: {args.experts} experts x {bench.expert_bytes / 1e6:.1f} MB = "
+          f"{args.experts * bench.expert_bytes / 1e9:.2f} GB")
+    batches = list(range(1, args.batch_max + 1))
+    bench.prefill_setup(args.prefill_tokens, min(args.prefill_experts, args.experts))
+
+    # warm-up: pool threads, scratch, page mapping of the banks, oneDNN
+    bench.read()
+    bench.decode_ours(1)
+    bench.decode_torch(1, 2)
+    bench.prefill_ours()
+
+    res: dict[str, list[float]] = {}
+
+    def add(key: str, v: float) -> None:
+        res.setdefault(key, []).append(v)
+        # let idle threads (torch's OpenMP workers spin after each parallel
+        # region, the pool's for SGLANG_CPU_EXPERT_SPIN_US) go to sleep before
+        # the next measurement, so that neither side runs against the other
+        time.sleep(0.02)
+
+    for _ in range(args.rounds):  # interleaved, so that load changes hit all alike
+        add("read", bench.read())
+        for B in batches:
+            add(f"ours_b{B}", bench.decode_ours(B))
+            add(f"torch_b{B}", bench.decode_torch(B, args.torch_steps))
+    prefill_out = {}
+    for _ in range(args.prefill_rounds):
+        v, prefill_out["ours"] = bench.prefill_ours()
+        add("prefill_ours", v)
+        v, prefill_out["torch"] = bench.prefill_torch()
+        add("prefill_torch", v)
+    diff = (prefill_out["ours"] - prefill_out["torch"]).abs().max().item()
+    scale = prefill_out["torch"].abs().max().item()
+
+    med = {k: statistics.median(v) for k, v in res.items()}
+    best = {k: max(v) for k, v in res.items()}
+
+    def ratio(a: str, b: str) -> float:  # median over rounds of the same-round ratio
+        return statistics.median(x / y for x, y in zip(res[a], res[b]))
+
+    read = med["read"]
+    print()
+    print(f"decode, {args.rounds} rounds (GB/s = expert bytes read / wall time; ratios: median of same-round ratios)")
+    print()
+    print("| measure | batch | GB/s median | GB/s best | vs read | ours vs torch |")
+    print("|---|---|---|---|---|---|")
+    print(f"| sequential read (C++ pool) | - | {read:.1f} | {best['read']:.1f} | 1.00 | |")
+    for B in batches:
+        o, t = f"ours_b{B}", f"torch_b{B}"
+        print(f"| moe_experts_cpu | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} | {ratio(o, t):.2f} |")
+        print(f"| torch bf16 F.linear | {B} | {med[t]:.1f} | {best[t]:.1f} | {ratio(t, 'read'):.2f} | |")
+    po, pt = med["prefill_ours"], med["prefill_torch"]
+    print()
+    print(f"| prefill T={args.prefill_tokens} x top-{TOPK} over {bench.prows.unique().numel()} experts "
+          "| GFLOP/s median | GFLOP/s best |")
+    print("|---|---|---|")
+    print(f"| moe_experts_cpu | {po:.1f} | {best['prefill_ours']:.1f} |")
+    print(f"| torch bf16 F.linear grouped per expert | {pt:.1f} | {best['prefill_torch']:.1f} |")
+    print(f"# prefill max |ours - torch| = {diff:.3g} (max |out| {scale:.3g}; torch also rounds gate/up and "
+          "each expert's output to bf16)")
+    print(f"# kt-kernel: {kt_kernel_status()}")
+    load1 = os.getloadavg()[0]
+    print(f"# load average at end {load1:.1f} on {os.cpu_count()} cpus; wall {time.perf_counter() - t_start:.0f} s. "
+          "On a shared machine every figure moves with the load; torch's OpenMP barriers suffer most from it.")
+    fields = [f"threads={n}"]
+    fields += [f"bw_gbps_b{B}={med[f'ours_b{B}']:.2f}" for B in batches]
+    fields += [
+        f"read_gbps={read:.2f}",
+        f"torch_gbps={med['torch_b1']:.2f}",
+        f"read_ratio={ratio('ours_b1', 'read'):.3f}",
+        f"torch_ratio={ratio('ours_b1', 'torch_b1'):.3f}",
+        "kt_ratio=nan",
+        f"bw_best_gbps_b1={best['ours_b1']:.2f}",
+        f"read_best_gbps={best['read']:.2f}",
+        f"prefill_gflops={po:.1f}",
+        f"prefill_torch_gflops={pt:.1f}",
+        f"prefill_ratio={ratio('prefill_ours', 'prefill_torch'):.3f}",
+        f"load_avg={max(load0, load1):.1f}",
+    ]
+    print("cpu_expert_kernel " + " ".join(fields))
+
+
+if __name__ == "__main__":
+    main()

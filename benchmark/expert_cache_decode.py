@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Decode tokens/s of the real server with the expert-slot cache at 25%, 50% and 100% of the
+routed-expert pool, against the stock MoE path, in one run.
+
+For each variant a server is started on the tiny model (default: the hybrid Qwen3-Next),
+and for each of ``--batch`` concurrent requests a prompt of ``--prompt-len`` random tokens is
+decoded greedily for ``--new-tokens`` tokens, streamed. Decode rate = tokens after the first
+(server-counted) / time from the first streamed chunk to the last (prefill excluded), summed
+over the batch; median of ``--repeats`` runs. Printed: a line per variant, then last
+
+    expert_cache_decode model=... batch=B stock_tps=... c25_tps=... c50_tps=... c100_tps=... c25_ratio=... c50_ratio=... c100_ratio=...
+
+(ratios against stock, measured in the same run). On this CPU-only machine the cache's
+"device" is the host too, so the figure measures the cache's control and copy overhead and
+our CPU expert kernel against upstream's torch MoE, not a PCIe trade-off.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "test" / "e2e"))
+
+VARIANTS = [
+    ("stock", []),
+    ("c25", ["--enable-expert-cache", "--expert-cache-size", "25%"]),
+    ("c50", ["--enable-expert-cache", "--expert-cache-size", "50%"]),
+    ("c100", ["--enable-expert-cache", "--expert-cache-size", "100%"]),
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-arch", default="qwen3_next", choices=["qwen3_next", "qwen3_moe"])
+    p.add_argument("--model-path", type=Path, help="model folder (default: the tiny model)")
+    p.add_argument("--batch", type=int, default=1, help="concurrent requests")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per request")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--policy", default="qstar", choices=["qstar", "fill", "cpu"])
+    p.add_argument("--server-args", default="", help="extra launch arguments for every variant")
+    return p.parse_args(argv)
+
+
+def _stream_decode(url: str, ids: list[int], n: int) -> tuple[int, float]:
+    """Stream a greedy generation of ``n`` tokens; return (tokens after the first, seconds
+    from the first streamed token to the last): decode only, prefill excluded."""
+    r = requests.post(
+        url + "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+            "stream": True,
+        },
+        timeout=1800,
+        stream=True,
+    )
+    r.raise_for_status()
+    first = last = None
+    for line in r.iter_lines():
+        if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+            continue
+        done = json.loads(line[5:])["meta_info"]["completion_tokens"]
+        now = time.perf_counter()
+        if first is None:
+            first = (done, now)
+        last = (done, now)
+    # A chunk may carry several tokens: count tokens, not chunks.
+    return last[0] - first[0], last[1] - first[1]
+
+
+def decode_tps(url: str, args, seed: int) -> float:
+    """Median aggregate decode tokens/s over ``args.repeats`` runs of ``args.batch`` concurrent
+    streams (fresh prompts each run, so the prefix cache never serves them)."""
+    g = torch.Generator().manual_seed(seed)
+    rates = []
+    _stream_decode(url, torch.randint(10, 30000, (args.prompt_len,), generator=g).tolist(), 8)
+    for _ in range(args.repeats):
+        prompts = [
+            torch.randint(10, 30000, (args.prompt_len,), generator=g).tolist()
+            for _ in range(args.batch)
+        ]
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            runs = list(pool.map(lambda ids: _stream_decode(url, ids, args.new_tokens + 1), prompts))
+        tokens = sum(n for n, _ in runs)
+        seconds = max(t for _, t in runs)
+        rates.append(tokens / max(seconds, 1e-9))
+    return statistics.median(rates)
+
+
+def main(argv=None) -> int:
+    import server  # test/e2e/server.py
+
+    args = parse_args(argv)
+    model = args.model_path or server.ensure_model(args.model_arch)
+    tps = {}
+    for name, extra in VARIANTS:
+        if extra:
+            extra = extra + ["--expert-cache-policy", args.policy]
+        srv = server.start_server(model, shlex.split(args.server_args) + extra)
+        try:
+            tps[name] = decode_tps(srv.url, args, seed=7)
+        finally:
+            srv.stop()
+        print(f"{name:6s} decode {tps[name]:8.1f} tok/s  ({' '.join(extra) or 'stock MoE'})", flush=True)
+    fields = [f"model={model.name}", f"batch={args.batch}"]
+    fields += [f"{k}_tps={v:.1f}" for k, v in tps.items()]
+    fields += [f"{k}_ratio={v / tps['stock']:.2f}" for k, v in tps.items() if k != "stock"]
+    print("expert_cache_decode " + " ".join(fields), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The fused-MoE method that serves a ``FusedMoE`` layer through the shared expert-slot cache.
+
+Wired in by patch ``0031-fused-moe-expert-cache-hook`` when ``--enable-expert-cache`` is set:
+``FusedMoE.__init__`` replaces its quant method with :func:`make_for_layer`'s result. The
+layer's ``w13_weight`` / ``w2_weight`` parameters become views of the layer's rows of the
+host pool, so upstream's weight loader writes every expert straight into the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
+from sglang.srt.layers.moe.expert_cache.config import ExpertCacheConfig
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+
+logger = logging.getLogger(__name__)
+
+_CACHE: Optional[ExpertSlotCache] = None
+
+
+def get_expert_slot_cache() -> Optional[ExpertSlotCache]:
+    """The process's expert-slot cache (None before the first MoE layer is built)."""
+    return _CACHE
+
+
+def reset_expert_slot_cache() -> None:
+    """Forget the process's cache (a new model is about to be built; tests)."""
+    global _CACHE
+    _CACHE = None
+
+
+class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
+    """Runs one MoE layer's routed experts through the shared :class:`ExpertSlotCache`."""
+
+    def __init__(self, base_method, config: ExpertCacheConfig, layer_id: int, top_k: int, num_layers: int, device):
+        torch.nn.Module.__init__(self)
+        self.base_method = base_method
+        self.config = config
+        self.layer_id = layer_id
+        self.top_k = top_k
+        self.num_layers = num_layers
+        self.device = device
+        self.cache: Optional[ExpertSlotCache] = None
+        self.moe_runner_config = None
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        with_bias: bool = False,
+        **extra_weight_attrs,
+    ):
+        from sglang.srt.utils import set_weight_attrs
+
+        global _CACHE
+        if with_bias:
+            raise ValueError("--enable-expert-cache does not support MoE layers with biases")
+        if _CACHE is None:
+            _CACHE = ExpertSlotCache(
+                self.config,
+                num_layers=self.num_layers,
+                num_experts=num_experts,
+                top_k=self.top_k,
+                hidden_size=hidden_size,
+                intermediate_size=intermediate_size_per_partition,
+                dtype=params_dtype,
+                device=self.device,
+            )
+        else:
+            _CACHE.check_shape(
+                num_experts, self.top_k, hidden_size, intermediate_size_per_partition, params_dtype
+            )
+        self.cache = _CACHE
+        self.cache.register_layer(self.layer_id)
+        extra_weight_attrs.pop("moe_intermediate_size", None)
+        for spec in self.cache.host.specs:
+            param = torch.nn.Parameter(
+                self.cache.host_rows(spec.name, self.layer_id), requires_grad=False
+            )
+            layer.register_parameter(spec.layer_param, param)
+            set_weight_attrs(param, extra_weight_attrs)
+
+    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config):
+        self.moe_runner_config = moe_runner_config
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # Every weight of the model is loaded once the first layer gets here.
+        self.cache.finalize()
+
+    def apply(self, layer: torch.nn.Module, dispatch_output):
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+        topk_weights, topk_ids, _ = dispatch_output.topk_output
+        out = self.cache.forward(
+            self.layer_id,
+            dispatch_output.hidden_states,
+            topk_weights,
+            topk_ids,
+            self.moe_runner_config,
+        )
+        return StandardCombineInput(hidden_states=out)
+
+
+def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
+    """The expert-cache method for ``layer`` (a ``FusedMoE``), replacing ``base_method``.
+
+    Raises:
+        RuntimeError: the server or layer configuration is outside what the cache supports;
+            the message lists every problem and what to change.
+    """
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+    from sglang.srt.runtime_context import (
+        get_device,
+        get_exec,
+        get_parallel,
+        process_model_config,
+    )
+
+    moe = get_exec().moe
+    problems = []
+    parallel = get_parallel()
+    for name in ("tp_size", "ep_size", "pp_size", "dp_size"):
+        if getattr(parallel, name, 1) > 1:
+            problems.append(f"--{name.replace('_', '-')} must be 1 (one device only)")
+    if getattr(moe, "enable_paged_experts", False):
+        problems.append("--enable-paged-experts and --enable-expert-cache exclude each other")
+    if not isinstance(base_method, UnquantizedFusedMoEMethod):
+        problems.append(
+            f"{type(base_method).__name__} experts are not supported yet (bf16 experts only)"
+        )
+    cfg = layer.moe_runner_config
+    if cfg.activation != "silu" or not cfg.is_gated:
+        problems.append(f"only gated SiLU experts are supported (got {cfg.activation})")
+    if cfg.apply_router_weight_on_input:
+        problems.append("apply_router_weight_on_input is not supported")
+    if cfg.routed_scaling_factor not in (None, 1.0):
+        problems.append("a routed scaling factor is not supported yet")
+    if getattr(layer, "num_fused_shared_experts", 0):
+        problems.append(
+            "fused shared experts are not supported (add --disable-shared-experts-fusion)"
+        )
+    try:
+        config = ExpertCacheConfig.from_server_args(moe)
+    except ValueError as e:
+        problems.append(str(e))
+        config = None
+    if problems:
+        raise RuntimeError("--enable-expert-cache: " + "; ".join(problems))
+    text_config = process_model_config().hf_text_config
+    top_k = layer.top_k if layer.top_k is not None else text_config.num_experts_per_tok
+    return ExpertCacheMoEMethod(
+        base_method=base_method,
+        config=config,
+        layer_id=layer.layer_id,
+        top_k=top_k,
+        num_layers=text_config.num_hidden_layers,
+        device=torch.device(get_device().device),
+    )

@@ -1,0 +1,187 @@
+"""Plain-Python reference model of the per-layer expert-cache control op.
+
+The FreeToken expert slot cache (paper §3.2, §4.1 "Device-side cache control") is ONE pool of
+``S`` GPU expert slots shared by all ``L`` MoE layers, managed LRU. An expert is named by its
+global id ``g = layer * E + expert``. The state is four tables, device tensors updated in place
+by ``torch.ops.sgl_kernel.expert_cache_control`` (C++ on CPU, CUDA on GPU):
+
+* ``slot_of_id[L*E]`` int32: slot holding global id ``g``, or -1;
+* ``id_of_slot[S]`` int32: global id held by a slot, or -1 (empty);
+* ``slot_last_use[S]`` int64: clock value of the slot's last use, -1 = never (empty slots);
+* ``clock[1]`` int64: advanced by one per call.
+
+One call, for one layer's routing ``topk_ids[T, K]`` (layer-local ids in ``[0, E)``, -1 =
+padding), with ``F`` = capacity of the fill lists, does exactly:
+
+1. ``clock += 1; now = clock``.
+2. Deduplicate the routed ids, ignoring -1. An id outside ``[-1, E)`` is an error on CPU (the
+   op raises before changing anything); the CUDA kernel treats it as padding and counts it
+   nowhere. ``tokens[e]`` = number of ``(t, k)`` entries routed to ``e``.
+3. Hits: distinct ids with ``slot_of_id[g] >= 0``; each sets ``slot_last_use[slot] = now``.
+   Misses: the ``m`` distinct non-resident ids.
+4. Fill count ``q``: policy ``qstar`` (0): ``0 if m == 0 else clamp(floor(m * fill_ratio +
+   0.5), 1, m)`` (paper Eq. 4, ``q* = m * B_P / B_H`` rounded, at least one fill so the cache
+   keeps warming; ``fill_ratio = B_P / B_H``, computed in float64); ``fill`` (1): ``m``; ``cpu``
+   (2): 0 (static cache, every miss on the CPU). Then ``q = min(q, F, candidates)``, where the
+   candidates are the slots with ``slot_last_use != now`` (every slot but this call's hits).
+5. Fill order among the misses: most routed tokens first, ties by lower expert id. The first
+   ``q`` misses in that order are filled (the set F of the paper); the other ``m - q`` run on
+   the CPU (the set C) and leave residency unchanged.
+6. Victims: the ``q`` candidate slots with the smallest ``(slot_last_use, slot)``; empty slots
+   (``slot_last_use == -1``) therefore go first. The kernels find the ``min(F, candidates)``
+   smallest in one pass over the slot table, whatever ``m`` is, and consume the first ``q``.
+   Fill ``i`` is paired with victim ``i`` in ascending ``(slot_last_use, slot)`` order.
+7. For each pair ``(g, v)`` in order: ``old = id_of_slot[v]``; if ``old >= 0``:
+   ``slot_of_id[old] = -1``; then ``id_of_slot[v] = g; slot_of_id[g] = v;
+   slot_last_use[v] = now; fill_src[i] = g; fill_dst[i] = v``.
+8. Rewrite: ``slot_ids[t, k]`` = ``slot_of_id[g]`` if ``g`` is resident after step 7 (a hit or
+   a fill: executed on the GPU), else -1; ``cpu_ids[t, k]`` = ``g`` for CPU-executed entries,
+   else -1. Padding is -1 in both. Every routed entry is in exactly one of the two.
+9. ``counts = [q, m - q, hits, m]`` (this call; ``hits`` and ``m`` count distinct experts);
+   ``stats += [hits, m, q, m - q]`` (int64, cumulative). ``fill_src[i]`` and ``fill_dst[i]``
+   for ``i >= q`` are -1.
+
+The model keeps the tables in Python lists and uses no torch operation, so tests can compare
+the compiled ops against it table by table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence
+
+POLICY_QSTAR = 0
+POLICY_FILL = 1
+POLICY_CPU = 2
+POLICIES = {"qstar": POLICY_QSTAR, "fill": POLICY_FILL, "cpu": POLICY_CPU}
+
+
+def fill_count(policy: int, misses: int, fill_ratio: float) -> int:
+    """Step 4 before the capacity limits: how many of ``misses`` distinct misses to fill."""
+    if policy == POLICY_QSTAR:
+        if misses == 0:
+            return 0
+        return min(max(int(math.floor(misses * fill_ratio + 0.5)), 1), misses)
+    if policy == POLICY_FILL:
+        return misses
+    if policy == POLICY_CPU:
+        return 0
+    raise ValueError(f"unknown policy {policy}")
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """Outputs of one control call (lists, shaped like the op's output tensors)."""
+
+    slot_ids: List[List[int]]  # [T][K]
+    cpu_ids: List[List[int]]  # [T][K]
+    fill_src: List[int]  # [F]
+    fill_dst: List[int]  # [F]
+    counts: List[int]  # [q, m - q, hits, m]
+
+
+class ReferenceExpertCache:
+    """The slot tables of one expert cache and the control step, in plain Python."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int):
+        assert num_layers >= 1 and num_experts >= 1 and num_slots >= 0
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.slot_of_id: List[int] = [-1] * (num_layers * num_experts)
+        self.id_of_slot: List[int] = [-1] * num_slots
+        self.slot_last_use: List[int] = [-1] * num_slots
+        self.clock: int = 0
+        self.stats: List[int] = [0, 0, 0, 0]  # hits, misses, fills, cpu-executed
+
+    def control(
+        self,
+        topk_ids: Sequence[Sequence[int]],
+        layer: int,
+        num_fill: int,
+        fill_ratio: float,
+        policy: int,
+    ) -> ControlResult:
+        """One call of the op for ``layer`` (steps 1-9 of the module docstring).
+
+        ``num_fill`` is ``F``, the length of the fill lists. Raises ValueError for a routed id
+        outside ``[-1, E)`` before changing any state (like the CPU op).
+        """
+        E = self.num_experts
+        assert 0 <= layer < self.num_layers and num_fill >= 0
+        base = layer * E
+        # 2. deduplicate, count tokens per expert
+        tokens = {}
+        for row in topk_ids:
+            for e in row:
+                if e == -1:
+                    continue
+                if not 0 <= e < E:
+                    raise ValueError(f"routed expert id {e} outside [-1, {E})")
+                tokens[e] = tokens.get(e, 0) + 1
+        # 1. advance the clock
+        self.clock += 1
+        now = self.clock
+        # 3. classify
+        hits, misses = [], []
+        for e in sorted(tokens):
+            s = self.slot_of_id[base + e]
+            if s >= 0:
+                hits.append(e)
+                self.slot_last_use[s] = now
+            else:
+                misses.append(e)
+        m = len(misses)
+        # 4. fill count
+        candidates = [s for s in range(self.num_slots) if self.slot_last_use[s] != now]
+        q = min(fill_count(policy, m, fill_ratio), num_fill, len(candidates))
+        # 5. fill order: most tokens first, then lower id
+        misses.sort(key=lambda e: (-tokens[e], e))
+        fills = misses[:q]
+        # 6. victims: smallest (last_use, slot) among the candidates
+        victims = sorted(candidates, key=lambda s: (self.slot_last_use[s], s))[:q]
+        # 7. install
+        fill_src = [-1] * num_fill
+        fill_dst = [-1] * num_fill
+        for i, (e, v) in enumerate(zip(fills, victims)):
+            g = base + e
+            old = self.id_of_slot[v]
+            if old >= 0:
+                self.slot_of_id[old] = -1
+            self.id_of_slot[v] = g
+            self.slot_of_id[g] = v
+            self.slot_last_use[v] = now
+            fill_src[i] = g
+            fill_dst[i] = v
+        # 8. rewrite
+        slot_ids, cpu_ids = [], []
+        for row in topk_ids:
+            srow, crow = [], []
+            for e in row:
+                if e == -1:
+                    srow.append(-1)
+                    crow.append(-1)
+                    continue
+                s = self.slot_of_id[base + e]
+                srow.append(s if s >= 0 else -1)
+                crow.append(-1 if s >= 0 else base + e)
+            slot_ids.append(srow)
+            cpu_ids.append(crow)
+        # 9. counts and stats
+        counts = [q, m - q, len(hits), m]
+        for i, x in enumerate((len(hits), m, q, m - q)):
+            self.stats[i] += x
+        return ControlResult(slot_ids, cpu_ids, fill_src, fill_dst, counts)
+
+    def check_invariants(self) -> None:
+        """Assert the table invariants: the two maps are inverse, no slot holds two ids."""
+        seen = set()
+        for s, g in enumerate(self.id_of_slot):
+            if g >= 0:
+                assert g not in seen, f"id {g} in two slots"
+                seen.add(g)
+                assert self.slot_of_id[g] == s, f"slot_of_id[{g}] != {s}"
+        for g, s in enumerate(self.slot_of_id):
+            if s >= 0:
+                assert self.id_of_slot[s] == g, f"id_of_slot[{s}] != {g}"

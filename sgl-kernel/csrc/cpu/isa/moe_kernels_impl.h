@@ -1,0 +1,406 @@
+// SIMD kernels of the CPU expert executor, compiled once per ISA level.
+// Included by isa/kernels_moe_{scalar,avx2,avx512,avx512bf16}.cpp, which define
+//   SGLK_ISA_LEVEL     0 | 1 | 2   (the vec.h level: scalar, AVX2+FMA, AVX-512)
+//   SGLK_MOE_DPBF16    0 | 1       (1: bf16 dots with vdpbf16ps, AVX512_BF16)
+//   SGLK_MOE_NAME      the level's name
+// and switch the target ISA before including this file. Everything below has
+// internal linkage; no torch/STL header (see kernel_args.h for why).
+//
+// Dot products (see moe_kernel_args.h for the exactness contract):
+//  * avx512bf16: 32 bf16 pairs per step, acc = vdpbf16ps(acc, w, x) (each lane
+//    adds two exact bf16 x bf16 products, rounding to nearest-even; denormal
+//    inputs and outputs are flushed to zero by the instruction);
+//  * avx512: 16 elements per step, bf16 -> fp32 by a shift, acc = fma(w, x, acc);
+//  * avx2: the same with 8 elements per step;
+//  * scalar: one fp32 product and add per element.
+// The last partial chunk is loaded zero-padded (masked load, or a padded copy on
+// AVX2); each dot ends with one horizontal sum of its accumulator vector.
+
+#include "moe_kernel_args.h"
+
+namespace sglk {
+namespace {
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#include "vec.h"
+
+// Decode streams each weight row once, and rows are short (one 4 KB page at
+// H = 2048), so the hardware stream prefetchers retrain on every row: the
+// first column tile of a row tile prefetches the next row tile (one cache
+// line per row per 64 bytes consumed) into L2.
+#if SGLK_ISA_LEVEL >= 1
+#define SGLK_PREFETCH_NEXT_TILE(p) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1)
+#else
+#define SGLK_PREFETCH_NEXT_TILE(p) ((void)(p))
+#endif
+
+// ------------------------------------------------------------------ dot tiles
+#if SGLK_ISA_LEVEL == 2
+// Horizontal sums of four accumulators at once, with exactly the pairing tree
+// of _mm512_reduce_add_ps (lanes i + i+8, then + i+4, then + i+2, then + i+1;
+// IEEE addition is commutative, so operand order does not matter): every dot
+// of every tile shape ends with this same tree. Writes the n <= 4 sums of
+// a, b, c, d (in this order) to y[0..n).
+template <int NS>
+static inline __attribute__((always_inline)) void reduce4_store(__m512 a, __m512 b, __m512 c, __m512 d, float* y) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // [a|b|c|d] 128-bit blocks: (i) + (i + 4) of each 256-bit half
+  const __m512 v6 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const __m512 v8 = _mm512_add_ps(v6, _mm512_permute_ps(v6, 0x4E));   // (0 + 2), (1 + 3)
+  const __m512 v9 = _mm512_add_ps(v8, _mm512_permute_ps(v8, 0xB1));   // (0 + 1)
+  const __m128 s = _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, v9));
+  if constexpr (NS == 4)
+    _mm_storeu_ps(y, s);
+  else
+    _mm_mask_storeu_ps(y, static_cast<__mmask8>((1u << NS) - 1u), s);
+}
+
+// y[c][r0 + r] = sum of acc[r][c] for the R x C accumulators of a tile.
+template <int R, int C>
+static inline __attribute__((always_inline)) void reduce_tile(__m512 (&acc)[R][C], float* const* y, int64_t r0) {
+  const __m512 z = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    int r = 0;
+    for (; r + 4 <= R; r += 4) reduce4_store<4>(acc[r][c], acc[r + 1][c], acc[r + 2][c], acc[r + 3][c], y[c] + r0 + r);
+    if constexpr (R % 4 == 1) reduce4_store<1>(acc[R - 1][c], z, z, z, y[c] + r0 + R - 1);
+    if constexpr (R % 4 == 2) reduce4_store<2>(acc[R - 2][c], acc[R - 1][c], z, z, y[c] + r0 + R - 2);
+    if constexpr (R % 4 == 3) reduce4_store<3>(acc[R - 3][c], acc[R - 2][c], acc[R - 1][c], z, y[c] + r0 + R - 3);
+  }
+}
+#endif
+
+// dot_micro<R, C>: the R x C block of dots of rows w + r * w_rs (r < R) with
+// columns x[c] (c < C); writes y[c][r0 + r].
+
+#if SGLK_MOE_DPBF16
+
+static constexpr int DOT_CMAX = 4;
+template <int C>
+struct DotRows {
+  static constexpr int R = C == 1 ? 8 : C == 2 ? 6 : 4;
+};
+
+template <int R, int C, bool PF>
+static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n, float* const* y,
+                             int64_t r0) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * w_rs + i);
+    if constexpr (PF)
+      for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w + (R + r) * w_rs + i);
+    for (int c = 0; c < C; ++c) {
+      const __m512i xv = _mm512_loadu_si512(x[c] + i);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)wv[r], (__m512bh)xv);
+    }
+  }
+  if (i < n) {
+    const __mmask32 m = static_cast<__mmask32>((1u << (n - i)) - 1u);
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(m, w + r * w_rs + i);
+    for (int c = 0; c < C; ++c) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(m, x[c] + i);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)wv[r], (__m512bh)xv);
+    }
+  }
+  reduce_tile<R, C>(acc, y, r0);
+}
+
+#elif SGLK_ISA_LEVEL == 2
+
+static constexpr int DOT_CMAX = 4;
+template <int C>
+struct DotRows {
+  static constexpr int R = C == 1 ? 8 : C == 2 ? 6 : 4;
+};
+
+static inline __attribute__((always_inline)) __m512 cvt16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int R, int C, bool PF>
+static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n, float* const* y,
+                             int64_t r0) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r)
+      wv[r] = cvt16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * w_rs + i)));
+    if constexpr (PF)
+      if ((i & 31) == 0)
+        for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w + (R + r) * w_rs + i);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = cvt16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[c] + i)));
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+    }
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = cvt16(_mm256_maskz_loadu_epi16(m, w + r * w_rs + i));
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = cvt16(_mm256_maskz_loadu_epi16(m, x[c] + i));
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+    }
+  }
+  reduce_tile<R, C>(acc, y, r0);
+}
+
+#elif SGLK_ISA_LEVEL == 1
+
+static constexpr int DOT_CMAX = 2;
+template <int C>
+struct DotRows {
+  static constexpr int R = 4;
+};
+
+template <int R, int C, bool PF>
+static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n, float* const* y,
+                             int64_t r0) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = v_load_bf16(w + r * w_rs + i);
+    if constexpr (PF)
+      if ((i & 31) == 0)
+        for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w + (R + r) * w_rs + i);
+    for (int c = 0; c < C; ++c) {
+      const __m256 xv = v_load_bf16(x[c] + i);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
+    }
+  }
+  if (i < n) {  // zero-padded copies of the last partial chunk
+    uint16_t tw[R][8] = {}, tx[C][8] = {};
+    for (int r = 0; r < R; ++r) __builtin_memcpy(tw[r], w + r * w_rs + i, 2 * (n - i));
+    for (int c = 0; c < C; ++c) __builtin_memcpy(tx[c], x[c] + i, 2 * (n - i));
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = v_load_bf16(tw[r]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 xv = v_load_bf16(tx[c]);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) y[c][r0 + r] = v_hsum(acc[r][c]);
+}
+
+#else  // scalar
+
+static constexpr int DOT_CMAX = 1;
+template <int C>
+struct DotRows {
+  static constexpr int R = 1;
+};
+
+template <int R, int C, bool PF>
+static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n, float* const* y,
+                             int64_t r0) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* wr = w + r * w_rs;
+      const uint16_t* xc = x[c];
+      float acc = 0.0f;
+      for (int64_t i = 0; i < n; ++i) acc += bf16_to_f32(wr[i]) * bf16_to_f32(xc[i]);
+      y[c][r0 + r] = acc;
+    }
+}
+
+#endif
+
+// All column tiles of R rows starting at row r0 (w already points at row r0).
+// With pf, the first column tile prefetches the next row tile (see above);
+// the caller passes pf only when that tile belongs to the same call, so that
+// a thread never pulls in rows another thread's work item will stream.
+template <int R, int C>
+static inline void dot_first(bool pf, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n,
+                             float* const* y, int64_t r0) {
+  if (pf)
+    dot_micro<R, C, true>(w, w_rs, x, n, y, r0);
+  else
+    dot_micro<R, C, false>(w, w_rs, x, n, y, r0);
+}
+
+template <int R, int CM>
+static inline void dot_cols(bool pf, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols,
+                            int64_t n, float* const* y, int64_t r0) {
+  int64_t c = 0;
+  for (; c + CM <= cols; c += CM) dot_first<R, CM>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
+  const int64_t cr = cols - c;
+  if constexpr (CM > 1) {
+    if (cr == 1) dot_first<R, 1>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
+  }
+  if constexpr (CM > 2) {
+    if (cr == 2) dot_first<R, 2>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
+  }
+  if constexpr (CM > 3) {
+    if (cr == 3) dot_first<R, 3>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
+  }
+  static_assert(CM <= 4, "column remainders above 3 are not dispatched");
+}
+
+// The last rows < R of a tile: dispatch the runtime count to a compile-time R.
+template <int R, int CM>
+struct RowRest {
+  static inline void run(int64_t rr, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols,
+                         int64_t n, float* const* y, int64_t r0) {
+    if (rr == R)
+      dot_cols<R, CM>(false, w, w_rs, x, cols, n, y, r0);
+    else
+      RowRest<R - 1, CM>::run(rr, w, w_rs, x, cols, n, y, r0);
+  }
+};
+template <int CM>
+struct RowRest<0, CM> {
+  static inline void run(int64_t, const uint16_t*, int64_t, const uint16_t* const*, int64_t, int64_t, float* const*,
+                         int64_t) {}
+};
+
+// Rows outer, columns inner: a tile of R weight rows stays in L1 while every
+// column (token) passes over it, which is what reuses weights in prefill.
+template <int CM>
+static inline void dot_rows(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16_t* const* x, int64_t cols,
+                            int64_t n, float* const* y) {
+  constexpr int R = DotRows<CM>::R;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) dot_cols<R, CM>(r + 2 * R <= rows, w + r * w_rs, w_rs, x, cols, n, y, r);
+  if (r < rows) RowRest<R - 1, CM>::run(rows - r, w + r * w_rs, w_rs, x, cols, n, y, r);
+}
+
+static void dot_tile(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16_t* const* x, int64_t cols, int64_t n,
+                     float* const* y) {
+  if (rows <= 0 || cols <= 0) return;
+  // the row-tile height follows the column count (more rows in flight when
+  // few tokens share the expert: decode is bound by streaming the rows)
+  if (cols >= DOT_CMAX) {
+    dot_rows<DOT_CMAX>(w, w_rs, rows, x, cols, n, y);
+    return;
+  }
+  if constexpr (DOT_CMAX > 1) {
+    if (cols == 1) dot_rows<1>(w, w_rs, rows, x, cols, n, y);
+  }
+  if constexpr (DOT_CMAX > 2) {
+    if (cols == 2) dot_rows<2>(w, w_rs, rows, x, cols, n, y);
+  }
+  if constexpr (DOT_CMAX > 3) {
+    if (cols == 3) dot_rows<3>(w, w_rs, rows, x, cols, n, y);
+  }
+}
+
+// --------------------------------------------------------------- elementwise
+static inline void silu_mul_vec(const float* g, const float* u, uint16_t* h) {
+  const vf gv = v_load(g);
+  const vf s = v_div(gv, v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), gv))));
+  v_store_bf16(h, v_mul(s, v_load(u)));
+}
+
+static void silu_mul_bf16(const float* g, const float* u, int64_t n, uint16_t* h) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) silu_mul_vec(g + i, u + i, h + i);
+  if (i < n) {  // through a zero-padded full vector: same lanes, same values
+    float tg[VW] = {}, tu[VW] = {};
+    uint16_t th[VW];
+    __builtin_memcpy(tg, g + i, 4 * (n - i));
+    __builtin_memcpy(tu, u + i, 4 * (n - i));
+    silu_mul_vec(tg, tu, th);
+    __builtin_memcpy(h + i, th, 2 * (n - i));
+  }
+}
+
+static void weighted_sum(float* out, int64_t n, const float* const* ys, const float* ws, int64_t nk,
+                         int32_t accumulate) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    vf r = v_zero();
+    for (int64_t k = 0; k < nk; ++k) r = v_fma(v_set1(ws[k]), v_load(ys[k] + i), r);
+    if (accumulate) r = v_add(v_load(out + i), r);
+    v_store(out + i, r);
+  }
+  for (; i < n; ++i) {  // SIMD levels only: a fused scalar fma equals the vector lane's
+    float r = 0.0f;
+    for (int64_t k = 0; k < nk; ++k) r = __builtin_fmaf(ws[k], ys[k][i], r);
+    out[i] = accumulate ? out[i] + r : r;
+  }
+}
+
+// ------------------------------------------------------------ read bandwidth
+static uint64_t stream_read(const void* p, int64_t bytes) {
+#if SGLK_ISA_LEVEL == 2
+  const char* b = static_cast<const char*>(p);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t o = 0; o < bytes; o += 256) {
+    a0 = _mm512_add_epi64(a0, _mm512_load_si512(b + o));
+    a1 = _mm512_add_epi64(a1, _mm512_load_si512(b + o + 64));
+    a2 = _mm512_add_epi64(a2, _mm512_load_si512(b + o + 128));
+    a3 = _mm512_add_epi64(a3, _mm512_load_si512(b + o + 192));
+  }
+  return static_cast<uint64_t>(
+      _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
+#elif SGLK_ISA_LEVEL == 1
+  const char* b = static_cast<const char*>(p);
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t o = 0; o < bytes; o += 128) {
+    a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(b + o)));
+    a1 = _mm256_add_epi64(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(b + o + 32)));
+    a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(b + o + 64)));
+    a3 = _mm256_add_epi64(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(b + o + 96)));
+  }
+  a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+  uint64_t s[4];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(s), a0);
+  return s[0] + s[1] + s[2] + s[3];
+#else
+  const uint64_t* q = static_cast<const uint64_t*>(p);
+  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  for (int64_t o = 0; o < bytes / 8; o += 4) {
+    a0 += q[o];
+    a1 += q[o + 1];
+    a2 += q[o + 2];
+    a3 += q[o + 3];
+  }
+  return a0 + a1 + a2 + a3;
+#endif
+}
+
+static const MoeKernels kMoeTable = {
+    SGLK_MOE_NAME,
+#if SGLK_MOE_DPBF16
+    "vdpbf16ps (bf16 pairs, fp32 accumulate)",
+#elif SGLK_ISA_LEVEL == 2
+    "avx512 bf16->fp32 + fma",
+#elif SGLK_ISA_LEVEL == 1
+    "avx2 bf16->fp32 + fma",
+#else
+    "scalar fp32",
+#endif
+    &dot_tile,
+    &silu_mul_bf16,
+    &weighted_sum,
+    &stream_read,
+};
+
+}  // namespace
+}  // namespace sglk

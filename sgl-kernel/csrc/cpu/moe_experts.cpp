@@ -1,0 +1,480 @@
+// CPU expert executor (paper §3.2 CPU execution set C, §4.1 "Graph-resident CPU
+// execution"): routed experts computed on the host, from any number of expert
+// bank sets, on the persistent pinned pool of expert_pool.h.
+//
+//   moe_experts_cpu(hidden [T,H] bf16, topk_weights [T,K] f32,
+//                   expert_rows[S] of [T,K] i32, w13[S] of [N_i,2I,H] bf16,
+//                   w2[S] of [N_i,H,I] bf16, out [T,H] f32, accumulate)
+//
+// For each token t, result[t] = sum_{k=0..K-1, in this order} topk_weights[t,k]
+// * expert(x[t]) over the (t,k) whose row is >= 0 in one set i (rows of -1 in
+// every set contribute nothing), with
+//   expert(x) = w2 @ h,  h = bf16(silu(g) * u),  g = w13[:I] @ x,  u = w13[I:] @ x,
+// g, u and the w2 dot in fp32 (bf16 x bf16 products are exact in fp32). The one
+// rounding to bf16 is of h, the input of the down projection (as in SGLang's
+// bf16 MoE, and needed by vdpbf16ps). out = out + result if accumulate, else
+// result.
+//
+// Exactness: every dot product is computed whole by one thread with the same
+// operation sequence wherever its row comes from (see isa/moe_kernel_args.h),
+// each (t,k) output is kept in its own fp32 scratch row, and the k-sum runs in
+// k order over those rows. So the value of a (t,k) term, and the output, are
+// bit-identical for any thread count, any split of the entries over sets, and
+// any chunking of tokens (for one ISA level).
+//
+// Work partition, per chunk of tokens (chunks bound the scratch to
+// SGLANG_CPU_EXPERT_SCRATCH_MB, default 64 MB; a decode step is one chunk): the valid (t,k) entries are grouped per expert
+// (set, row), and three kinds of work items are handed out in this order from
+// one atomic counter:
+//   1. (expert, block of intermediate indices [j0,j1)): gate rows j0..j1 and
+//      up rows I+j0..I+j1 of w13 (~128 KB of weights), dotted with every token
+//      of the expert, then h for those indices;
+//   2. (expert, block of rows of w2, ~128 KB): dotted with the h of every token
+//      of the expert; starts once all phase-1 items of its expert are done;
+//   3. (token, block of columns): the k-sum into out, once phase 2 is done.
+// Each item streams one disjoint contiguous slice of weights, so decode (few
+// tokens per expert) is bound by memory bandwidth; in prefill the tile kernel
+// keeps a few weight rows in L1 while all tokens of the expert pass over them.
+#include <Python.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <vector>
+
+#include "common.h"
+#include "expert_pool.h"
+
+namespace sglk {
+namespace {
+
+// ----------------------------------------------------------- scratch memory
+// Cache of 64-byte aligned buffers (at most 4 kept), so that steady-state calls
+// do not fault fresh pages in. A buffer returns to the cache when the waiting
+// thread releases the call (PoolJob::release), never in a pool thread.
+class ScratchCache {
+ public:
+  static ScratchCache& get() {
+    static ScratchCache* c = new ScratchCache();  // never deleted (see expert_pool.cpp)
+    return *c;
+  }
+  std::shared_ptr<char> take(size_t bytes) {
+    bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+    char* p = nullptr;
+    size_t cap = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      size_t best = free_.size();
+      for (size_t i = 0; i < free_.size(); ++i)
+        if (free_[i].second >= bytes && (best == free_.size() || free_[i].second < free_[best].second)) best = i;
+      if (best < free_.size()) {
+        p = free_[best].first;
+        cap = free_[best].second;
+        free_.erase(free_.begin() + best);
+      }
+    }
+    if (p == nullptr) {
+      p = static_cast<char*>(std::aligned_alloc(64, bytes));
+      TORCH_CHECK(p != nullptr, "moe_experts_cpu: cannot allocate ", bytes, " bytes of scratch");
+      cap = bytes;
+    }
+    return std::shared_ptr<char>(p, [this, cap](char* q) { give(q, cap); });
+  }
+
+ private:
+  void give(char* p, size_t cap) {
+    std::lock_guard<std::mutex> lk(mu_);
+    free_.emplace_back(p, cap);
+    if (free_.size() > 4) {  // drop the smallest
+      auto it = std::min_element(free_.begin(), free_.end(),
+                                 [](const auto& a, const auto& b) { return a.second < b.second; });
+      std::free(it->first);
+      free_.erase(it);
+    }
+  }
+  std::mutex mu_;
+  std::vector<std::pair<char*, size_t>> free_;
+};
+
+// ------------------------------------------------------------------ the call
+// Bytes of Y + h per chunk of tokens: SGLANG_CPU_EXPERT_SCRATCH_MB (default 64).
+int64_t scratch_budget() {
+  const char* e = std::getenv("SGLANG_CPU_EXPERT_SCRATCH_MB");
+  const double mb = e && *e ? std::atof(e) : 64.0;
+  return std::max<int64_t>(1, static_cast<int64_t>(mb * (1 << 20)));
+}
+constexpr int64_t kItemBytes = 128 << 10;  // weight bytes per phase-1/2 item
+constexpr int64_t kColBlock = 512;         // out columns per phase-3 item
+
+// State shared by the chunk jobs of one call. Holds references to the tensors
+// (and the scratch) until the waiting thread releases the jobs.
+struct MoeCall {
+  at::Tensor hidden, topk, out;
+  std::vector<at::Tensor> rows, w13, w2;
+  int64_t T = 0, K = 0, H = 0, I = 0;
+  bool accumulate = false;
+  const MoeKernels* kern = nullptr;
+  std::vector<int32_t> set_of;  // [T*K]: set of entry t*K+k, or -1
+  std::vector<int32_t> row_of;  // [T*K]: row in that set
+  std::shared_ptr<char> scratch;
+  float* Y = nullptr;         // [chunk tokens * K, H]: per-(t,k) expert outputs
+  uint16_t* hbuf = nullptr;  // [chunk tokens * K, I]: h (bf16) per grouped entry
+};
+
+struct Expert {
+  const uint16_t* w13;
+  const uint16_t* w2;
+  int32_t first;  // first grouped position
+  int32_t count;  // tokens routed to it in this chunk
+};
+
+struct Item {
+  int32_t kind;  // 1: gate/up block, 2: w2 row block, 3: k-sum block
+  int32_t a;     // expert (1, 2) or token in the chunk (3)
+  int32_t b0, b1;
+};
+
+class MoeChunkJob final : public ItemJob {
+ public:
+  MoeChunkJob(std::shared_ptr<MoeCall> call, int64_t t0, int64_t t1) : c_(std::move(call)), t0_(t0), t1_(t1) {
+    plan();
+    set_items(static_cast<int64_t>(items_.size()));
+  }
+
+  void release() override { c_.reset(); }  // the tensors (see PoolJob::release)
+
+ protected:
+  void do_item(int64_t i, int) override {
+    const Item& it = items_[i];
+    // the dependency counters advance even if an item fails, so that no
+    // thread waits forever; the error reaches moe_experts_cpu_wait
+    try {
+      if (it.kind == 1)
+        gate_up(it);
+      else if (it.kind == 2)
+        down(it);
+      else
+        reduce(it);
+    } catch (const std::exception& e) {
+      set_error(e.what());
+    }
+    if (it.kind == 1)
+      p1_done_[it.a].fetch_add(1, std::memory_order_release);
+    else if (it.kind == 2)
+      p2_done_.fetch_add(1, std::memory_order_release);
+  }
+
+ private:
+  void plan() {
+    const MoeCall& c = *c_;
+    const int64_t K = c.K, H = c.H, I = c.I;
+    struct Key {
+      int32_t set, row, entry;
+    };
+    std::vector<Key> keys;
+    for (int64_t e = t0_ * K; e < t1_ * K; ++e)
+      if (c.set_of[e] >= 0) keys.push_back({c.set_of[e], c.row_of[e], static_cast<int32_t>(e)});
+    std::sort(keys.begin(), keys.end(), [](const Key& a, const Key& b) {
+      return a.set != b.set ? a.set < b.set : a.row != b.row ? a.row < b.row : a.entry < b.entry;
+    });
+    const int64_t n = static_cast<int64_t>(keys.size());
+    xp_.resize(n);
+    hp_.resize(n);
+    local_.resize(n);
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(c.hidden.data_ptr());
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t e = keys[p].entry;
+      if (p == 0 || keys[p].set != keys[p - 1].set || keys[p].row != keys[p - 1].row) {
+        const int64_t s = keys[p].set, r = keys[p].row;
+        experts_.push_back({reinterpret_cast<const uint16_t*>(c.w13[s].data_ptr()) + r * 2 * I * H,
+                            reinterpret_cast<const uint16_t*>(c.w2[s].data_ptr()) + r * H * I,
+                            static_cast<int32_t>(p), 0});
+      }
+      experts_.back().count++;
+      xp_[p] = x + (e / K) * H;
+      hp_[p] = c.hbuf + p * I;
+      local_[p] = static_cast<int32_t>(e - t0_ * K);
+    }
+    const int64_t ne = static_cast<int64_t>(experts_.size());
+    const int64_t J = std::clamp<int64_t>(kItemBytes / std::max<int64_t>(1, 4 * H), 1, std::max<int64_t>(1, I));
+    int64_t R2 = std::max<int64_t>(8, kItemBytes / std::max<int64_t>(1, 2 * I) / 8 * 8);
+    R2 = std::min(R2, H);
+    p1_total_.reset(new int32_t[std::max<int64_t>(ne, 1)]);
+    p1_done_.reset(new std::atomic<int32_t>[std::max<int64_t>(ne, 1)]);
+    for (int64_t e = 0; e < ne; ++e) {
+      p1_done_[e].store(0, std::memory_order_relaxed);
+      p1_total_[e] = 0;
+      for (int64_t j = 0; j < I; j += J) {
+        items_.push_back({1, static_cast<int32_t>(e), static_cast<int32_t>(j), static_cast<int32_t>(std::min(I, j + J))});
+        p1_total_[e]++;
+      }
+    }
+    for (int64_t e = 0; e < ne; ++e)
+      for (int64_t r = 0; r < H; r += R2) {
+        items_.push_back({2, static_cast<int32_t>(e), static_cast<int32_t>(r), static_cast<int32_t>(std::min(H, r + R2))});
+        p2_total_++;
+      }
+    for (int64_t t = t0_; t < t1_; ++t)
+      for (int64_t c0 = 0; c0 < H; c0 += kColBlock)
+        items_.push_back({3, static_cast<int32_t>(t - t0_), static_cast<int32_t>(c0),
+                          static_cast<int32_t>(std::min(H, c0 + kColBlock))});
+  }
+
+  void gate_up(const Item& it) {
+    const MoeCall& c = *c_;
+    const MoeKernels& k = *c.kern;
+    const Expert& ex = experts_[it.a];
+    const int64_t H = c.H, I = c.I, m = ex.count, j0 = it.b0, nj = it.b1 - it.b0;
+    thread_local std::vector<float> gu;
+    thread_local std::vector<float*> yp;
+    gu.resize(2 * nj * m);
+    yp.resize(m);
+    float* G = gu.data();
+    float* U = G + nj * m;
+    const uint16_t* const* x = xp_.data() + ex.first;
+    for (int64_t t = 0; t < m; ++t) yp[t] = G + t * nj;
+    k.dot_tile(ex.w13 + j0 * H, H, nj, x, m, H, yp.data());
+    for (int64_t t = 0; t < m; ++t) yp[t] = U + t * nj;
+    k.dot_tile(ex.w13 + (I + j0) * H, H, nj, x, m, H, yp.data());
+    for (int64_t t = 0; t < m; ++t) k.silu_mul_bf16(G + t * nj, U + t * nj, nj, c.hbuf + (ex.first + t) * I + j0);
+  }
+
+  void down(const Item& it) {
+    const MoeCall& c = *c_;
+    const Expert& ex = experts_[it.a];
+    const int64_t H = c.H, I = c.I, m = ex.count, r0 = it.b0;
+    spin_until(p1_done_[it.a], p1_total_[it.a]);
+    thread_local std::vector<float*> yp;
+    yp.resize(m);
+    for (int64_t t = 0; t < m; ++t) yp[t] = c.Y + static_cast<int64_t>(local_[ex.first + t]) * H + r0;
+    c.kern->dot_tile(ex.w2 + r0 * I, I, it.b1 - it.b0, hp_.data() + ex.first, m, I, yp.data());
+  }
+
+  void reduce(const Item& it) {
+    const MoeCall& c = *c_;
+    const int64_t K = c.K, H = c.H, t = t0_ + it.a, c0 = it.b0;
+    spin_until(p2_done_, p2_total_);
+    thread_local std::vector<const float*> ys;
+    thread_local std::vector<float> ws;
+    ys.clear();
+    ws.clear();
+    const float* tw = c.topk.data_ptr<float>() + t * K;
+    for (int64_t k = 0; k < K; ++k) {
+      if (c.set_of[t * K + k] < 0) continue;
+      ys.push_back(c.Y + (static_cast<int64_t>(it.a) * K + k) * H + c0);
+      ws.push_back(tw[k]);
+    }
+    c.kern->weighted_sum(c.out.data_ptr<float>() + t * H + c0, it.b1 - it.b0, ys.data(), ws.data(),
+                         static_cast<int64_t>(ys.size()), c.accumulate ? 1 : 0);
+  }
+
+  std::shared_ptr<MoeCall> c_;
+  int64_t t0_, t1_;
+  std::vector<Expert> experts_;
+  std::vector<const uint16_t*> xp_;  // grouped position -> token activations
+  std::vector<const uint16_t*> hp_;  // grouped position -> its h row
+  std::vector<int32_t> local_;       // grouped position -> entry index in the chunk
+  std::vector<Item> items_;
+  std::unique_ptr<int32_t[]> p1_total_;
+  std::unique_ptr<std::atomic<int32_t>[]> p1_done_;
+  int32_t p2_total_ = 0;
+  std::atomic<int32_t> p2_done_{0};
+};
+
+// Releases the GIL while the calling thread blocks (pool threads never need
+// it), so other Python threads run; a no-op when called without the GIL.
+struct GilRelease {
+  PyThreadState* st = nullptr;
+  GilRelease() {
+    if (Py_IsInitialized() && PyGILState_Check()) st = PyEval_SaveThread();
+  }
+  ~GilRelease() {
+    if (st) PyEval_RestoreThread(st);
+  }
+};
+
+// Waits for a handle with the GIL released, then, holding it again, drops the
+// jobs' tensor references and rethrows the first error.
+void wait_and_release(ExpertPool& pool, int64_t handle) {
+  std::vector<std::shared_ptr<PoolJob>> jobs;
+  {
+    GilRelease nogil;
+    jobs = pool.wait(handle);
+  }
+  std::string err;
+  for (auto& j : jobs) {
+    if (err.empty()) err = j->error();
+    j->release();
+  }
+  TORCH_CHECK(err.empty(), err);
+}
+
+#define MOE_CHECK(cond, ...) TORCH_CHECK(cond, "moe_experts_cpu: ", __VA_ARGS__)
+
+// Validates the arguments, resolves each (t,k) to its set and row, and splits
+// the tokens into chunk jobs. Returns the jobs (empty when T == 0).
+std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const at::Tensor& topk_weights,
+                                                const std::vector<at::Tensor>& expert_rows,
+                                                const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2,
+                                                const at::Tensor& out, bool accumulate) {
+  const size_t S = expert_rows.size();
+  MOE_CHECK(S >= 1 && w13.size() == S && w2.size() == S,
+            "expert_rows, w13 and w2 must be lists of the same length >= 1 (one entry per bank set), got lengths ",
+            expert_rows.size(), ", ", w13.size(), ", ", w2.size());
+  MOE_CHECK(hidden.device().is_cpu() && hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
+                hidden.is_contiguous(),
+            "hidden must be a contiguous 2-D [T, H] bfloat16 CPU tensor, got ", hidden.scalar_type(), " ",
+            hidden.sizes(), hidden.is_contiguous() ? "" : " (not contiguous)", " on ", hidden.device());
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  MOE_CHECK(topk_weights.device().is_cpu() && topk_weights.dim() == 2 && topk_weights.scalar_type() == at::kFloat &&
+                topk_weights.size(0) == T,
+            "topk_weights must be a 2-D [T, K] float32 CPU tensor with T = ", T, " (hidden's rows), got ",
+            topk_weights.scalar_type(), " ", topk_weights.sizes());
+  const int64_t K = topk_weights.size(1);
+  MOE_CHECK(T * K < (int64_t{1} << 31), "T * K = ", T * K, " (t, k) entries exceed 2^31; call in token chunks");
+  MOE_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T &&
+                out.size(1) == H && out.is_contiguous(),
+            "out must be a contiguous [T, H] = [", T, ", ", H, "] float32 CPU tensor, got ", out.scalar_type(), " ",
+            out.sizes(), out.is_contiguous() ? "" : " (not contiguous)");
+  MOE_CHECK(w13[0].dim() == 3 && w13[0].size(1) % 2 == 0,
+            "w13[0] must be [N, 2*I, H] (gate rows then up rows), got shape ", w13[0].sizes());
+  const int64_t I = w13[0].size(1) / 2;
+
+  auto call = std::make_shared<MoeCall>();
+  MoeCall& c = *call;
+  c.hidden = hidden;
+  c.topk = topk_weights.contiguous();
+  c.out = out;
+  c.T = T;
+  c.K = K;
+  c.H = H;
+  c.I = I;
+  c.accumulate = accumulate;
+  c.kern = &moe_kernels();
+  std::vector<int64_t> N(S);
+  for (size_t i = 0; i < S; ++i) {
+    const at::Tensor& a = w13[i];
+    const at::Tensor& b = w2[i];
+    const at::Tensor& r = expert_rows[i];
+    MOE_CHECK(a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && a.dim() == 3 && a.size(1) == 2 * I &&
+                  a.size(2) == H,
+              "w13[", i, "] must be a [N_", i, ", 2*I, H] = [N, ", 2 * I, ", ", H, "] bfloat16 CPU tensor, got ",
+              a.scalar_type(), " ", a.sizes());
+    MOE_CHECK(a.is_contiguous(), "w13[", i, "] must be contiguous (make the bank contiguous once at load time; the op ",
+              "never copies weights)");
+    N[i] = a.size(0);
+    MOE_CHECK(b.device().is_cpu() && b.scalar_type() == at::kBFloat16 && b.dim() == 3 && b.size(0) == N[i] &&
+                  b.size(1) == H && b.size(2) == I,
+              "w2[", i, "] must be a [N_", i, ", H, I] = [", N[i], ", ", H, ", ", I,
+              "] bfloat16 CPU tensor (N_i as w13[i]), got ", b.scalar_type(), " ", b.sizes());
+    MOE_CHECK(b.is_contiguous(), "w2[", i, "] must be contiguous (make the bank contiguous once at load time; the op ",
+              "never copies weights)");
+    MOE_CHECK(r.device().is_cpu() && r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == T && r.size(1) == K,
+              "expert_rows[", i, "] must be a [T, K] = [", T, ", ", K,
+              "] int32 CPU tensor (K as topk_weights), got ", r.scalar_type(), " ", r.sizes());
+    c.rows.push_back(r.contiguous());
+    c.w13.push_back(a);
+    c.w2.push_back(b);
+  }
+
+  c.set_of.assign(T * K, -1);
+  c.row_of.assign(T * K, -1);
+  for (size_t i = 0; i < S; ++i) {
+    const int32_t* r = c.rows[i].data_ptr<int32_t>();
+    for (int64_t e = 0; e < T * K; ++e) {
+      if (r[e] == -1) continue;
+      MOE_CHECK(r[e] >= 0 && r[e] < N[i], "expert_rows[", i, "][", e / K, ", ", e % K, "] = ", r[e],
+                " is out of range [0, ", N[i], ") of set ", i, " (w13[", i, "].size(0)); use -1 for (t, k) not in ",
+                "this set");
+      MOE_CHECK(c.set_of[e] < 0, "(t, k) = (", e / K, ", ", e % K, ") has a row in set ", c.set_of[e], " and in set ",
+                i, "; each (t, k) may come from at most one set");
+      c.set_of[e] = static_cast<int32_t>(i);
+      c.row_of[e] = r[e];
+    }
+  }
+
+  std::vector<std::shared_ptr<PoolJob>> jobs;
+  if (T == 0 || H == 0) return jobs;  // nothing to write
+  const int64_t per_token = std::max<int64_t>(1, K * (4 * H + 2 * I));
+  const int64_t chunk = std::clamp<int64_t>(scratch_budget() / per_token, 1, T);
+  const int64_t y_bytes = chunk * K * H * 4;
+  c.scratch = ScratchCache::get().take(static_cast<size_t>(y_bytes + chunk * K * I * 2 + 64));
+  c.Y = reinterpret_cast<float*>(c.scratch.get());
+  c.hbuf = reinterpret_cast<uint16_t*>(c.scratch.get() + (y_bytes + 63) / 64 * 64);
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) jobs.push_back(std::make_shared<MoeChunkJob>(call, t0, std::min(T, t0 + chunk)));
+  return jobs;
+}
+
+// Sequential read of a buffer: one contiguous slice per pool thread (items are
+// slices, so each thread normally streams its own), `passes` times over.
+class ReadJob final : public ItemJob {
+ public:
+  ReadJob(const char* p, int64_t bytes, int64_t passes, int nslices, const MoeKernels* k)
+      : p_(p), slice_(bytes / nslices / 256 * 256), passes_(passes), nslices_(nslices), k_(k) {
+    set_items(nslices);
+  }
+  int64_t bytes_read() const { return slice_ * nslices_ * passes_; }
+
+ protected:
+  void do_item(int64_t i, int) override {
+    uint64_t acc = 0;
+    for (int64_t pass = 0; pass < passes_; ++pass) acc += k_->stream_read(p_ + i * slice_, slice_);
+    sink_.fetch_add(acc, std::memory_order_relaxed);
+  }
+
+ private:
+  const char* p_;
+  int64_t slice_, passes_, nslices_;
+  const MoeKernels* k_;
+  std::atomic<uint64_t> sink_{0};
+};
+
+}  // namespace
+
+void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
+                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate) {
+  auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate);
+  if (jobs.empty()) return;
+  ExpertPool& pool = ExpertPool::get();
+  wait_and_release(pool, pool.submit(std::move(jobs)));
+}
+
+int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
+                               at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate) {
+  auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate);
+  return ExpertPool::get().submit(std::move(jobs));
+}
+
+void moe_experts_cpu_wait(int64_t handle) { wait_and_release(ExpertPool::get(), handle); }
+
+int64_t expert_pool_set_threads(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= 4096, "expert_pool_set_threads: n must be in [0, 4096] (0 = one per physical core), got ",
+              n);
+  GilRelease nogil;  // may wait for queued jobs
+  return ExpertPool::get().set_threads(static_cast<int>(n));
+}
+
+std::string expert_pool_info() { return ExpertPool::get().info(); }
+
+double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes) {
+  TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous(),
+              "expert_pool_read_bandwidth: buffer must be a contiguous CPU tensor");
+  TORCH_CHECK(passes >= 1, "expert_pool_read_bandwidth: passes must be >= 1, got ", passes);
+  const char* p = static_cast<const char*>(buffer.data_ptr());
+  const int64_t skip = (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+  const int64_t bytes = buffer.nbytes() - skip;
+  ExpertPool& pool = ExpertPool::get();
+  const int nw = pool.threads();
+  TORCH_CHECK(bytes >= 256 * nw, "expert_pool_read_bandwidth: buffer too small (", buffer.nbytes(), " bytes)");
+  auto job = std::make_shared<ReadJob>(p + skip, bytes, passes, nw, &moe_kernels());
+  const auto t0 = std::chrono::steady_clock::now();
+  wait_and_release(pool, pool.submit({job}));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(job->bytes_read()) / s / 1e9;
+}
+
+}  // namespace sglk

@@ -1,0 +1,173 @@
+"""CPU expert executor: routed MoE experts computed on the host (FreeToken §3.2, §4.1).
+
+The paper splits each decode step's expert-cache misses into cache fills and a
+CPU execution set; the experts of that set run here, on a persistent pool of
+threads pinned to physical cores, reading bf16 expert banks in place (no weight
+copy). On CPU-only machines the same op computes every routed expert (prefill
+chunks included). C++ in ``csrc/cpu/moe_experts.cpp`` (op),
+``csrc/cpu/expert_pool.cpp`` (threads) and ``csrc/cpu/isa/moe_kernels_impl.h``
+(SIMD kernels: avx512bf16 with ``vdpbf16ps``, avx512, avx2, scalar; chosen like
+every other op by ``sgl_kernel.cpu_isa()`` / ``SGLANG_CPU_KERNEL_ISA``).
+
+Formula, per token ``t`` (``x = hidden[t]``)::
+
+    result[t] = sum over k = 0..K-1, in this order, of topk_weights[t, k] * expert(x)
+    expert(x) = w2[r] @ h,   h = bf16(silu(g) * u),
+    g = w13[r, :I] @ x,      u = w13[r, I:] @ x
+
+where ``r = expert_rows[i][t, k]`` for the one set ``i`` in which it is ``>= 0``
+(entries that are -1 in every set contribute nothing). ``g``, ``u``, the down
+projection and the k-sum are float32 (bf16 x bf16 products are exact in
+float32); the one rounding to bfloat16 is of ``h``, the input of the down
+projection (as SGLang's bf16 MoE does, and as ``vdpbf16ps`` needs). The k-sum
+is ``r = fma(w_k, y_k, r)`` from ``r = 0``; then ``out = out + r`` if
+``accumulate`` else ``out = r``.
+
+Exactness: for one ISA level, the output is bit-identical whatever the thread
+count, however the (t, k) entries are split over sets (or banks), and however
+many tokens are processed per call chunk: each dot product is computed whole by
+one thread with a fixed operation order, each (t, k) output has its own float32
+scratch row, and the k-sum runs in k order. So GPU-slot and CPU-pool partial
+results of one routing merge exactly. Different ISA levels differ in the last
+bits of the float32 sums (and so, rarely, in the bf16 rounding of an element of
+``h``).
+
+Threads: created on first use, one per physical core of the process's affinity
+set (``expert_pool_set_threads`` changes it), pinned with ``sched_setaffinity``;
+idle threads spin ``SGLANG_CPU_EXPERT_SPIN_US`` microseconds (default 20) before
+sleeping. Scratch per call: ``T*K*(4*H + 2*I)`` bytes, in token chunks of at
+most ``SGLANG_CPU_EXPERT_SCRATCH_MB`` (default 64) MB, cached between calls.
+"""
+
+from typing import Sequence
+
+import torch
+
+_ops = torch.ops.sgl_kernel
+
+__all__ = [
+    "moe_experts_cpu",
+    "moe_experts_cpu_submit",
+    "moe_experts_cpu_wait",
+    "expert_pool_set_threads",
+    "expert_pool_info",
+    "expert_pool_read_bandwidth",
+]
+
+
+def moe_experts_cpu(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_rows: Sequence[torch.Tensor],
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    accumulate: bool = False,
+) -> None:
+    """Routed experts on the CPU pool; blocks until ``out`` is written.
+
+    Calls ``torch.ops.sgl_kernel.moe_experts_cpu`` (the GIL is released while
+    the pool computes).
+
+    Args:
+        hidden: ``[T, H]`` bfloat16, contiguous: token activations.
+        topk_weights: ``[T, K]`` float32: router weight of each (token, k).
+        expert_rows: one ``[T, K]`` int32 tensor per bank set: the row of
+            (t, k)'s expert in that set's banks, or -1 when (t, k) is not in
+            that set. At most one set may hold a row >= 0 for a (t, k).
+        w13: one ``[N_i, 2*I, H]`` bfloat16 contiguous bank per set, rows
+            ``0..I-1`` the gate projection and ``I..2I-1`` the up projection
+            (SGLang's ``w13_weight`` layout).
+        w2: one ``[N_i, H, I]`` bfloat16 contiguous bank per set (SGLang's
+            ``w2_weight``), ``N_i`` as in ``w13[i]``.
+        out: ``[T, H]`` float32 contiguous, written in place.
+        accumulate: ``out += result`` instead of ``out = result``.
+
+    Raises:
+        RuntimeError: naming the argument to fix, for a wrong dtype, device,
+            shape or contiguity; ``expert_rows[i]`` whose K differs from
+            ``topk_weights``; a row outside ``[0, N_i)`` (other than -1); a
+            (t, k) with rows in two sets; ``expert_rows``, ``w13`` and ``w2``
+            of unequal lengths (or empty).
+    """
+    _ops.moe_experts_cpu(hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate)
+
+
+def moe_experts_cpu_submit(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_rows: Sequence[torch.Tensor],
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    accumulate: bool = False,
+) -> int:
+    """Starts :func:`moe_experts_cpu` on the pool and returns at once.
+
+    Arguments, formula and argument errors are those of :func:`moe_experts_cpu`
+    (the arguments are checked, and the routing read, before this returns).
+    The paper launches this CPU branch first and runs the GPU path meanwhile.
+
+    Contract: every handle must be passed to :func:`moe_experts_cpu_wait`
+    exactly once. Until then the op holds references to the tensors (they stay
+    allocated), but the caller must not write ``hidden``, ``topk_weights``,
+    ``expert_rows`` or the banks, nor read or write ``out``: the pool reads
+    and writes them asynchronously. Calls run one after another on the pool in
+    submission order.
+
+    Returns:
+        int handle for :func:`moe_experts_cpu_wait`.
+    """
+    return _ops.moe_experts_cpu_submit(hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate)
+
+
+def moe_experts_cpu_wait(handle: int) -> None:
+    """Blocks (GIL released) until the call of ``handle`` has written ``out``.
+
+    Raises:
+        RuntimeError: unknown handle (not returned by
+            :func:`moe_experts_cpu_submit`, or already waited), or an error
+            raised while the pool ran the call.
+    """
+    _ops.moe_experts_cpu_wait(handle)
+
+
+def expert_pool_set_threads(n: int = 0) -> int:
+    """Sets the pool's thread count and returns the count in use.
+
+    ``n = 0`` selects one thread per physical core of the process's CPU
+    affinity set (the default); ``n`` above the core count pins threads round
+    robin. Waits for queued calls to finish, then restarts the threads (cost:
+    milliseconds; meant for setup, tests and benchmarks, not per step).
+
+    Raises:
+        RuntimeError: ``n`` outside ``[0, 4096]``.
+    """
+    return _ops.expert_pool_set_threads(n)
+
+
+def expert_pool_info() -> str:
+    """One line describing the pool, starting it if needed, e.g.
+    ``threads=2 pinned=2/2 cpus=0,1 physical_cores=2 allowed_cpus=2
+    topology="sysfs topology within sched_getaffinity" isa=avx512bf16
+    dot="vdpbf16ps (bf16 pairs, fp32 accumulate)" spin_us=20``. A CPU that
+    could not be pinned shows as ``N(unpinned)``.
+    """
+    return _ops.expert_pool_info()
+
+
+def expert_pool_read_bandwidth(buffer: torch.Tensor, passes: int = 1) -> float:
+    """Sequential read bandwidth of the pool threads, in GB/s (1e9 bytes/s).
+
+    Each pool thread streams one contiguous slice of ``buffer`` (any dtype,
+    contiguous CPU tensor; use one far larger than the last-level cache)
+    ``passes`` times with full-width SIMD loads; wall time of the whole job,
+    thread wake-up included. This is the ceiling the decode path is compared
+    with (``benchmark/cpu_expert_kernel.py``).
+
+    Raises:
+        RuntimeError: non-contiguous or non-CPU buffer, ``passes < 1``, or a
+            buffer under 256 bytes per thread.
+    """
+    return _ops.expert_pool_read_bandwidth(buffer, passes)
+

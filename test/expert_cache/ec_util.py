@@ -1,0 +1,138 @@
+"""Helpers of the expert-cache tests: this checkout's modules, op calls, table checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import List, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PKG = REPO / "python" / "sglang" / "srt" / "layers" / "moe" / "expert_cache"
+
+
+def _load(name: str):
+    """Load PKG/<name>.py as module ``expert_cache_<name>`` (no package __init__ needed)."""
+    key = f"expert_cache_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, PKG / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+reference = _load("reference")
+control = _load("control")
+
+
+class OpCache:
+    """The op's tables and buffers on one device, with results read back as lists."""
+
+    def __init__(self, num_layers, num_experts, num_slots, num_fill, max_tokens=64, top_k=8, device="cpu"):
+        self.E = num_experts
+        self.F = num_fill
+        self.tables = control.ExpertCacheTables.allocate(num_layers, num_experts, num_slots, device)
+        self.bufs = control.ControlBuffers.allocate(max_tokens, top_k, num_fill, device)
+        self.device = device
+
+    def load(self, ref: "reference.ReferenceExpertCache") -> None:
+        """Copy a reference model's state into the op's tables."""
+        t = self.tables
+        t.slot_of_id.copy_(torch.tensor(ref.slot_of_id, dtype=torch.int32))
+        t.id_of_slot.copy_(torch.tensor(ref.id_of_slot, dtype=torch.int32))
+        t.slot_last_use.copy_(torch.tensor(ref.slot_last_use, dtype=torch.int64))
+        t.clock.fill_(ref.clock)
+        self.bufs.stats.copy_(torch.tensor(ref.stats, dtype=torch.int64))
+
+    def control(self, topk: Sequence[Sequence[int]], layer: int, ratio: float, policy: int):
+        """One op call on a batch of ``len(topk)`` tokens; outputs as lists."""
+        T, K = len(topk), self.bufs.slot_ids.shape[1]
+        ids = torch.tensor(topk, dtype=torch.int32, device=self.device).reshape(T, K)
+        out = self.bufs.rows(T)
+        control.expert_cache_control(ids, layer, self.E, self.tables, out, ratio, policy)
+        return reference.ControlResult(
+            slot_ids=out.slot_ids.tolist(),
+            cpu_ids=out.cpu_ids.tolist(),
+            fill_src=out.fill_src.tolist(),
+            fill_dst=out.fill_dst.tolist(),
+            counts=out.counts.tolist(),
+        )
+
+    def state(self):
+        t = self.tables
+        return (
+            t.slot_of_id.tolist(),
+            t.id_of_slot.tolist(),
+            t.slot_last_use.tolist(),
+            int(t.clock.item()),
+            self.bufs.stats.tolist(),
+        )
+
+
+def ref_state(ref):
+    return (ref.slot_of_id, ref.id_of_slot, ref.slot_last_use, ref.clock, ref.stats)
+
+
+def check_call(
+    topk: Sequence[Sequence[int]],
+    layer: int,
+    E: int,
+    before: tuple,
+    after: tuple,
+    res: "reference.ControlResult",
+) -> None:
+    """Invariants of one call, from the tables before/after and the outputs (any backend)."""
+    slot_of_id, id_of_slot, last_use, clock, _ = after
+    # the maps are inverse and no slot holds two ids
+    held = [g for g in id_of_slot if g >= 0]
+    assert len(held) == len(set(held)), "a global id sits in two slots"
+    for s, g in enumerate(id_of_slot):
+        if g >= 0:
+            assert slot_of_id[g] == s
+    for g, s in enumerate(slot_of_id):
+        if s >= 0:
+            assert id_of_slot[s] == g
+    # hit slots keep their expert
+    b_slot_of_id = before[0]
+    routed = {e for row in topk for e in row if e != -1}
+    hit_slots = set()
+    for e in routed:
+        s = b_slot_of_id[layer * E + e]
+        if s >= 0:
+            hit_slots.add(s)
+            assert slot_of_id[layer * E + e] == s, "a hit expert was evicted in its own call"
+            assert last_use[s] == clock
+    assert not hit_slots & set(d for d in res.fill_dst if d >= 0), "a hit slot was a fill victim"
+    # every routed entry is in exactly one of slot_ids / cpu_ids
+    for t, row in enumerate(topk):
+        for k, e in enumerate(row):
+            s, c = res.slot_ids[t][k], res.cpu_ids[t][k]
+            if e == -1:
+                assert s == -1 and c == -1
+            else:
+                g = layer * E + e
+                assert (s >= 0) != (c >= 0)
+                if s >= 0:
+                    assert id_of_slot[s] == g
+                else:
+                    assert c == g and slot_of_id[g] == -1
+    q, cpu, hits, m = res.counts
+    assert q + cpu == m and hits + m == len(routed) and 0 <= q <= len(res.fill_src)
+    assert all(x == -1 for x in res.fill_src[q:]) and all(x == -1 for x in res.fill_dst[q:])
+    assert len(set(res.fill_dst[:q])) == q
+    assert clock == before[3] + 1
+
+
+def random_routing(rng, T: int, K: int, E: int, hot: List[int], pad_p: float = 0.1):
+    """[T][K] routing with locality: mostly from `hot`, distinct per token, some padding."""
+    rows = []
+    for _ in range(T):
+        pool = hot if rng.random() < 0.7 and len(hot) >= K else list(range(E))
+        row = rng.sample(pool, min(K, len(pool)))
+        row += [-1] * (K - len(row))
+        row = [-1 if rng.random() < pad_p else e for e in row]
+        rows.append(row)
+    return rows

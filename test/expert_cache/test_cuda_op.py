@@ -1,0 +1,166 @@
+"""CUDA expert-cache ops against the CPU ops (same semantics), including CUDA-graph replay.
+
+Skipped without a GPU or without the CUDA kernels (``sgl_kernel._C_cuda``, built by setup.py
+when torch is a CUDA build and a toolkit is found).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from ec_util import OpCache, check_call, control, random_routing
+
+HAS_CUDA_OP = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "sgl_kernel::expert_cache_control", "CUDA"
+)
+pytestmark = pytest.mark.skipif(
+    not HAS_CUDA_OP, reason="needs a GPU and sgl_kernel built with CUDA (torch.cuda unavailable here)"
+)
+
+
+def pair(L, E, S, F, max_tokens, K):
+    return (
+        OpCache(L, E, S, F, max_tokens=max_tokens, top_k=K, device="cpu"),
+        OpCache(L, E, S, F, max_tokens=max_tokens, top_k=K, device="cuda"),
+    )
+
+
+def both(cpu, gpu, topk, layer, ratio, policy):
+    before = cpu.state()
+    want = cpu.control(topk, layer, ratio, policy)
+    got = gpu.control(topk, layer, ratio, policy)
+    assert got == want
+    assert gpu.state() == cpu.state()
+    check_call(topk, layer, cpu.E, before, cpu.state(), want)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_sequences_match_cpu(seed):
+    rng = random.Random(seed)
+    L = rng.randint(1, 4)
+    E = rng.choice([4, 8, 16, 64, 256, 1000])
+    S = rng.randint(1, L * E)
+    F = rng.randint(1, 32)
+    K = rng.randint(1, min(8, E))
+    cpu, gpu = pair(L, E, S, F, 64, K)
+    hot = {layer: rng.sample(range(E), max(K, E // 4)) for layer in range(L)}
+    for _ in range(80):
+        layer = rng.randrange(L)
+        if rng.random() < 0.1:
+            hot[layer] = rng.sample(range(E), max(K, E // 4))
+        topk = random_routing(rng, rng.choice([0, 1, 2, 8, 33, 64]), K, E, hot[layer])
+        both(cpu, gpu, topk, layer, rng.uniform(0, 3), rng.choice([0, 0, 1, 2]))
+
+
+@pytest.mark.parametrize("E, S, F", [(256, 3072, 16), (4096, 40000, 32), (64, 50000, 8)])
+def test_large_tables_match_cpu(E, S, F):
+    rng = random.Random(E)
+    L = max(1, -(-S // E))  # enough layers for S <= L * E
+    cpu, gpu = pair(L, E, S, F, 512, 8)
+    for _ in range(30):
+        layer = rng.randrange(L)
+        topk = random_routing(rng, rng.choice([1, 64, 512]), 8, E, rng.sample(range(E), 32))
+        both(cpu, gpu, topk, layer, rng.uniform(0, 2), rng.choice([0, 1]))
+
+
+def test_out_of_range_ids_are_padding_on_cuda():
+    cpu, gpu = pair(2, 8, 4, 4, 8, 2)
+    got = gpu.control([[1, 8], [-5, 2]], 1, 1.0, 1)
+    want = cpu.control([[1, -1], [-1, 2]], 1, 1.0, 1)
+    assert got == want and gpu.state() == cpu.state()
+
+
+def test_cuda_limits():
+    with pytest.raises(RuntimeError, match="num_experts"):
+        OpCache(1, 4097, 8, 4, max_tokens=1, top_k=1, device="cuda").control([[1]], 0, 1.0, 0)
+    with pytest.raises(RuntimeError, match="fill lists"):
+        g = OpCache(1, 8, 8, 33, max_tokens=1, top_k=1, device="cuda")
+        g.control([[1]], 0, 1.0, 0)
+
+
+def _banks(rows, device="cpu", pin=False):
+    g = torch.Generator().manual_seed(rows)
+    bs = [
+        torch.randn(rows, 3, 5, generator=g).to(torch.bfloat16),
+        torch.randn(rows, 257, generator=g),  # row bytes not a multiple of 16
+        torch.randint(-128, 127, (rows, 4096), generator=g, dtype=torch.int8),
+    ]
+    if pin:
+        return [b.pin_memory() for b in bs]
+    return [b.to(device) for b in bs]
+
+
+@pytest.mark.parametrize("src_kind", ["pinned", "cuda"])
+def test_bank_copy_matches_cpu(src_kind):
+    rows, slots, F = 40, 12, 8
+    src_cpu = _banks(rows)
+    src = _banks(rows, pin=True) if src_kind == "pinned" else _banks(rows, "cuda")
+    rng = random.Random(1)
+    for n in (0, 1, 5, F):
+        fs = rng.sample(range(rows), F)
+        fd = rng.sample(range(slots), F)
+        fill_src = torch.tensor(fs[:n] + [-1] * (F - n), dtype=torch.int32)
+        fill_dst = torch.tensor(fd[:n] + [-1] * (F - n), dtype=torch.int32)
+        counts = torch.tensor([n, 0, 0, 0], dtype=torch.int32)
+        dst_cpu = [torch.zeros((slots,) + b.shape[1:], dtype=b.dtype) for b in src_cpu]
+        dst = [d.cuda() for d in dst_cpu]
+        control.expert_bank_copy(src_cpu, dst_cpu, fill_src, fill_dst, counts)
+        control.expert_bank_copy(src, dst, fill_src.cuda(), fill_dst.cuda(), counts.cuda())
+        torch.cuda.synchronize()
+        for d, w in zip(dst, dst_cpu):
+            assert torch.equal(d.cpu(), w)
+
+
+def test_bank_copy_refuses_pageable_source():
+    src = [torch.zeros(4, 8)]
+    dst = [torch.zeros(2, 8, device="cuda")]
+    z = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="pinned"):
+        control.expert_bank_copy(src, dst, z, z, z)
+
+
+def test_cuda_graph_replay_matches_cpu():
+    """Control + copy captured once, replayed with new routing: same as the CPU ops each step."""
+    L, E, S, F, T, K = 4, 64, 64, 8, 8, 4
+    cpu, gpu = pair(L, E, S, F, T, K)
+    src_cpu = _banks(L * E)
+    src = _banks(L * E, pin=True)
+    dst_cpu = [torch.zeros((S,) + b.shape[1:], dtype=b.dtype) for b in src_cpu]
+    dst = [d.cuda() for d in dst_cpu]
+    static_ids = torch.full((T, K), -1, dtype=torch.int32, device="cuda")
+    layer, ratio, policy = 2, 0.5, 0
+    out = gpu.bufs.rows(T)
+
+    def body():
+        control.expert_cache_control(static_ids, layer, E, gpu.tables, out, ratio, policy)
+        control.expert_bank_copy(src, dst, out.fill_src, out.fill_dst, out.counts)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up outside the graph, then undo its effect on the state
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for t in (gpu.tables.slot_of_id, gpu.tables.id_of_slot, gpu.tables.slot_last_use, gpu.tables.clock,
+              gpu.bufs.stats):
+        t.fill_(-1 if t.dtype == torch.int32 or t is gpu.tables.slot_last_use else 0)
+    for d in dst:
+        d.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    rng = random.Random(5)
+    for _ in range(40):
+        topk = random_routing(rng, T, K, E, rng.sample(range(E), 10))
+        static_ids.copy_(torch.tensor(topk, dtype=torch.int32))
+        graph.replay()
+        want = cpu.control(topk, layer, ratio, policy)
+        control.expert_bank_copy(src_cpu, dst_cpu, cpu.bufs.fill_src, cpu.bufs.fill_dst, cpu.bufs.counts)
+        torch.cuda.synchronize()
+        assert out.slot_ids.tolist() == want.slot_ids and out.cpu_ids.tolist() == want.cpu_ids
+        assert out.counts.tolist() == want.counts and out.fill_src.tolist() == want.fill_src
+        assert gpu.state() == cpu.state()
+        for d, w in zip(dst, dst_cpu):
+            assert torch.equal(d.cpu(), w)

@@ -1,0 +1,219 @@
+"""The shared expert-slot cache end to end on the CPU, without a server.
+
+One ``ExpertSlotCache`` per configuration (cache size x miss policy) runs the same random
+routing sequence over several MoE layers. Checked:
+* outputs are bit-identical across every size and policy (the CPU executor computes each
+  (token, k) entry the same way from a slot or from the host pool and sums over k in order),
+  and match a float64 torch reference of the MoE within bf16 rounding;
+* the residency tables stay consistent after every call, and the counters add up;
+* bad configurations fail with a clear error.
+"""
+
+import pytest
+import torch
+
+from sglang.srt.layers.moe.expert_cache.bandwidth import profile_path
+from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
+from sglang.srt.layers.moe.expert_cache.config import (
+    CacheSize,
+    ExpertCacheConfig,
+    MissPolicy,
+)
+
+L, E, K, H, I = 3, 16, 4, 64, 48
+
+
+def make_cache(size: str, policy: str, seed: int = 0, **kw) -> ExpertSlotCache:
+    cfg = ExpertCacheConfig(
+        size=CacheSize.parse(size),
+        policy=MissPolicy.parse(policy),
+        cpu_threads=kw.pop("cpu_threads", 2),
+        fill_gbps=kw.pop("fill_gbps", 1.0),
+        cpu_gbps=kw.pop("cpu_gbps", 2.0),
+    )
+    cache = ExpertSlotCache(
+        cfg,
+        num_layers=L,
+        num_experts=E,
+        top_k=K,
+        hidden_size=H,
+        intermediate_size=I,
+        dtype=kw.pop("dtype", torch.bfloat16),
+        device="cpu",
+    )
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(L):
+        cache.register_layer(layer)
+        for name in ("w13", "w2"):
+            rows = cache.host_rows(name, layer)
+            rows.copy_((torch.randn(rows.shape, generator=g) * 0.2).to(rows.dtype))
+    cache.finalize()
+    return cache
+
+
+def routing(steps: int, seed: int = 1):
+    """(layer, x [T,H] bf16, weights [T,K] f32, ids [T,K] int32) per call, with some
+    padding rows and a skewed expert popularity so hits and misses both happen."""
+    g = torch.Generator().manual_seed(seed)
+    calls = []
+    popularity = torch.rand(E, generator=g) ** 3 + 0.01
+    for step in range(steps):
+        t = [1, 1, 2, 3, 7][step % 5]
+        for layer in range(L):
+            ids = torch.stack(
+                [torch.multinomial(popularity, K, generator=g) for _ in range(t)]
+            ).to(torch.int32)
+            if step % 4 == 3:
+                ids[-1] = -1  # a padded token
+            w = torch.rand(t, K, generator=g)
+            w = w / w.sum(-1, keepdim=True)
+            x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+            calls.append((layer, x, w, ids))
+    return calls
+
+
+def reference(cache: ExpertSlotCache, layer, x, w, ids) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            w13 = cache.host_rows("w13", layer)[e].double()
+            w2 = cache.host_rows("w2", layer)[e].double()
+            gu = w13 @ x[t].double()
+            act = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            out[t] += float(w[t, k]) * (w2 @ act)
+    return out
+
+
+CONFIGS = [
+    ("100%", "fill"),  # every expert resident after warm-up: the reference configuration
+    ("auto", "qstar"),  # auto on a CPU device: no slots, everything on the CPU
+    (str(K), "qstar"),  # one layer's top-k
+    (str(K), "fill"),
+    ("25%", "qstar"),
+    ("25%", "cpu"),
+    ("50%", "fill"),
+]
+
+
+def test_outputs_identical_across_sizes_and_policies():
+    calls = routing(steps=12)
+    outputs = {}
+    for size, policy in CONFIGS:
+        cache = make_cache(size, policy)
+        outs = []
+        distinct_total = 0
+        for layer, x, w, ids in calls:
+            outs.append(cache.forward(layer, x, w, ids))
+            cache.check_invariants()
+            distinct_total += int(torch.unique(ids[ids >= 0]).numel())
+        snap = cache.snapshot()
+        assert snap["hits"] + snap["misses"] == distinct_total
+        assert snap["fills"] + snap["cpu_experts"] == snap["misses"]
+        if policy == "cpu":
+            assert snap["fills"] == 0
+        if size == "100%":
+            assert snap["misses"] == 0  # the load-time placement holds the whole pool
+        elif cache.num_slots and policy != "cpu":
+            assert snap["misses"] > 0 and snap["fills"] > 0
+        if size == "auto":
+            assert cache.num_slots == 0 and snap["cpu_experts"] == snap["misses"]
+        outputs[(size, policy)] = outs
+    base = outputs[CONFIGS[0]]
+    for key, outs in outputs.items():
+        for i, (a, b) in enumerate(zip(base, outs)):
+            assert torch.equal(a, b), f"{key} differs from all-resident at call {i}"
+    cache = make_cache("100%", "fill")
+    for (layer, x, w, ids), got in zip(calls, base):
+        ref = reference(cache, layer, x, w, ids)
+        torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_qstar_splits_misses_by_bandwidth_ratio():
+    """With B_P / B_H = 0.5 a call with m misses fills round(m / 2) (at least one)."""
+    cache = make_cache(str(L * E), "qstar", fill_gbps=1.0, cpu_gbps=2.0)
+    # Empty the cache so every routed expert misses.
+    cache.slot_of_id.fill_(-1)
+    cache.id_of_slot.fill_(-1)
+    cache.slot_last_use.fill_(-1)
+    x = torch.randn(2, H).to(torch.bfloat16)
+    w = torch.full((2, K), 1.0 / K)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    cache.forward(0, x, w, ids)
+    snap = cache.snapshot()
+    assert (snap["misses"], snap["fills"], snap["cpu_experts"]) == (8, 4, 4)
+    cache.forward(1, x[:1], w[:1, :1], ids[:1, :1])
+    snap = cache.snapshot()
+    assert (snap["misses"], snap["fills"], snap["cpu_experts"]) == (9, 5, 4)
+
+
+def test_size_parsing():
+    assert CacheSize.parse(None).is_auto and CacheSize.parse("auto").is_auto
+    assert CacheSize.parse("256").slots == 256
+    assert CacheSize.parse("25%").fraction == 0.25
+    assert CacheSize.parse("4GB").bytes == 4 * 10**9
+    assert CacheSize.parse("512MiB").bytes == 512 * 2**20
+    assert CacheSize.parse("25%").resolve(pool_experts=200, expert_bytes=10, auto_slots=0) == 50
+    assert CacheSize.parse("1000").resolve(pool_experts=200, expert_bytes=10, auto_slots=0) == 200
+    assert CacheSize.parse("1KB").resolve(pool_experts=200, expert_bytes=10, auto_slots=0) == 100
+    for bad in ("-3", "0%", "150%", "2.5", "lots", "4 parsecs"):
+        with pytest.raises(ValueError, match="--expert-cache-size"):
+            CacheSize.parse(bad)
+    with pytest.raises(ValueError, match="--expert-cache-policy"):
+        MissPolicy.parse("random")
+
+
+def test_cache_smaller_than_top_k_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer than one layer's top-k"):
+        make_cache(str(K - 1), "qstar")
+
+
+def test_unsupported_expert_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="--dtype bfloat16"):
+        make_cache("25%", "qstar", dtype=torch.float32)
+
+
+def test_bandwidths_are_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_EXPERT_CACHE_PROFILE_PATH", str(tmp_path / "bw.json"))
+    assert profile_path() == tmp_path / "bw.json"
+    first = make_cache("25%", "qstar", fill_gbps=None, cpu_gbps=None)
+    assert first.bandwidths.source == "measured"
+    assert first.bandwidths.fill_gbps > 0 and first.bandwidths.cpu_gbps > 0
+    second = make_cache("25%", "qstar", fill_gbps=None, cpu_gbps=None)
+    assert second.bandwidths.source == "cached"
+    assert second.bandwidths.fill_ratio == first.bandwidths.fill_ratio
+    third = make_cache("25%", "qstar", fill_gbps=None, cpu_gbps=3.0)
+    assert third.bandwidths.cpu_gbps == 3.0 and third.bandwidths.source == "flags+cached"
+
+
+def test_routing_trace_recorded(tmp_path):
+    import json
+
+    path = tmp_path / "routing.jsonl"
+    cfg = ExpertCacheConfig(
+        size=CacheSize.parse("25%"), fill_gbps=1.0, cpu_gbps=2.0, record_routing=str(path)
+    )
+    cache = ExpertSlotCache(
+        cfg, num_layers=L, num_experts=E, top_k=K, hidden_size=H,
+        intermediate_size=I, dtype=torch.bfloat16, device="cpu",
+    )
+    for layer in range(L):
+        cache.register_layer(layer)
+        for name in ("w13", "w2"):
+            cache.host_rows(name, layer).zero_()
+    cache.finalize()
+    calls = routing(steps=2)
+    for layer, x, w, ids in calls:
+        cache.forward(layer, x, w, ids)
+    cache.recorder.close()
+    lines = [json.loads(s) for s in path.read_text().splitlines()]
+    assert len(lines) == len(calls)
+    for rec, (layer, x, w, ids) in zip(lines, calls):
+        assert rec["layer"] == layer and rec["tokens"] == ids.shape[0]
+        assert rec["experts"] == sorted(set(ids[ids >= 0].tolist()))
+        assert sum(rec["counts"]) == int((ids >= 0).sum())
+        assert rec["phase"] == ("decode" if ids.shape[0] == 1 else "prefill")
+        assert (rec["num_experts"], rec["num_layers"]) == (E, L)
+    assert [r["step"] for r in lines] == [i // L for i in range(len(calls))]
