@@ -1,0 +1,118 @@
+"""Routed experts of a resident bf16 MoE layer on the CPU, through the persistent expert executor.
+
+Upstream 0.5.23 runs an unquantized ``FusedMoE`` layer on the CPU with
+``torch.ops.sgl_kernel.fused_experts_cpu`` only when the CPU has AMX
+(``UnquantizedFusedMoEMethod.forward_cpu`` in ``layers/quantization/unquant.py``); everywhere
+else it falls back to ``moe_forward_native``, a Python loop over the experts with one bf16
+``torch.mm`` pair per expert that holds a token. On this project's machines (AVX-512 BF16, no
+AMX) that loop is most of a short prefill's time: about 0.9 s per layer call for 150 tokens of
+the tiny 64-expert model, whatever the token count, because each small matmul pays a fixed
+cost. Patch ``0032-cpu-moe-expert-executor`` sends such layers here instead: one
+``sgl_kernel.moe_experts_cpu`` call over the layer's own ``w13_weight`` / ``w2_weight``, the
+same kernel (AVX-512 BF16 / AVX-512 / AVX2 / scalar, chosen at load) and worker pool that the
+expert-slot cache uses for its CPU misses (``layers/moe/expert_cache/``).
+
+Numerics: per (token, expert) the gate and up projections accumulate in fp32, ``silu(g) * u`` is
+rounded to bf16 once, the down projection accumulates in fp32 and the top-k sum is taken in k
+order in fp32, then rounded to bf16 (``moe_forward_native`` rounds every intermediate to bf16).
+Like ``moe_forward_native``, the layer call leaves ``routed_scaling_factor`` to the model.
+
+``SGLANG_CPU_MOE_BACKEND=native`` keeps upstream's loop (for comparisons).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+ENV_BACKEND = "SGLANG_CPU_MOE_BACKEND"
+
+
+@functools.lru_cache(maxsize=1)
+def _executor_op():
+    """``torch.ops.sgl_kernel.moe_experts_cpu`` when this build of sgl_kernel has it, else None."""
+    try:
+        import sgl_kernel  # noqa: F401  (registers the ops)
+    except ImportError:
+        return None
+    ops = torch.ops.sgl_kernel
+    return ops.moe_experts_cpu if hasattr(ops, "moe_experts_cpu") else None
+
+
+def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_config) -> Optional[str]:
+    """Why the executor cannot run this layer call (None when it can).
+
+    Args:
+        layer: a ``FusedMoE`` layer with resident ``w13_weight`` ``[E, 2*I, H]`` and
+            ``w2_weight`` ``[E, H, I]``.
+        x: ``[T, H]`` hidden states.
+        moe_runner_config: the layer's ``MoeRunnerConfig``.
+
+    Returns:
+        A short reason (e.g. ``"weights are torch.float32"``) or None.
+    """
+    if os.environ.get(ENV_BACKEND, "auto").lower() == "native":
+        return f"{ENV_BACKEND}=native"
+    if _executor_op() is None:
+        return "sgl_kernel has no moe_experts_cpu op"
+    w13 = getattr(layer, "w13_weight", None)
+    w2 = getattr(layer, "w2_weight", None)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return "no resident w13_weight / w2_weight"
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return f"weights are {w13.dtype}, activations {x.dtype} (bf16 only)"
+    if w13.device.type != "cpu" or x.device.type != "cpu":
+        return "not on the CPU"
+    if moe_runner_config.activation != "silu" or not getattr(moe_runner_config, "is_gated", True):
+        return f"activation {moe_runner_config.activation} (gated SiLU only)"
+    if any(getattr(moe_runner_config, f, None) is not None for f in ("gemm1_beta", "swiglu_limit")):
+        return "gemm1 beta / swiglu limit"
+    if moe_runner_config.apply_router_weight_on_input:
+        return "router weight applied on the input"
+    if moe_runner_config.gemm1_alpha is not None or moe_runner_config.gemm1_clamp_limit is not None:
+        return "gemm1 alpha / clamp"
+    if getattr(layer, "w13_weight_bias", None) is not None or getattr(layer, "w2_weight_bias", None) is not None:
+        return "expert biases"
+    if getattr(getattr(layer, "quant_method", None), "w13_swiglu_interleaved", False):
+        return "interleaved gate/up rows"
+    return None
+
+
+def cpu_experts_forward(
+    layer: torch.nn.Module, x: torch.Tensor, topk_output, moe_runner_config
+) -> Optional[torch.Tensor]:
+    """The routed-expert output of one resident MoE layer call on the CPU executor.
+
+    Args:
+        layer: the ``FusedMoE`` layer (``w13_weight`` ``[E, 2*I, H]`` bf16, rows ``0..I-1`` the
+            gate projection; ``w2_weight`` ``[E, H, I]`` bf16).
+        x: ``[T, H]`` bf16 hidden states.
+        topk_output: ``(topk_weights [T, K] float, topk_ids [T, K] int, ...)``; an id of -1 is
+            a padding entry that contributes nothing.
+        moe_runner_config: the layer's ``MoeRunnerConfig``.
+
+    Returns:
+        ``[T, H]`` bf16: ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``, or None
+        when :func:`unsupported_reason` names a reason (the caller keeps upstream's path).
+
+    Raises:
+        RuntimeError: from the op, for an expert id outside ``[0, E)``.
+    """
+    if unsupported_reason(layer, x, moe_runner_config) is not None:
+        return None
+    topk_weights, topk_ids = topk_output[0], topk_output[1]
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    out = torch.empty(x.shape[0], w2.shape[1], dtype=torch.float32)
+    _executor_op()(
+        x.contiguous(),
+        topk_weights.to(torch.float32).contiguous(),
+        [topk_ids.to(torch.int32).contiguous()],
+        [w13 if w13.is_contiguous() else w13.contiguous()],
+        [w2 if w2.is_contiguous() else w2.contiguous()],
+        out,
+        False,
+    )
+    return out.to(x.dtype)
