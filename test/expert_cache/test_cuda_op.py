@@ -164,3 +164,60 @@ def test_cuda_graph_replay_matches_cpu():
         assert gpu.state() == cpu.state()
         for d, w in zip(dst, dst_cpu):
             assert torch.equal(d.cpu(), w)
+
+
+# ---- the CPU branch as stream work: copy + host function + copy (CpuBranchPlan.enqueue) -------
+
+
+def _branch_problem(T, K=8, H=128, I=64, N=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13 = (torch.randn(N, 2 * I, H, generator=g) / H**0.5).bfloat16()
+    w2 = (torch.randn(N, H, I, generator=g) / I**0.5).bfloat16()
+    tw = torch.rand(T, K, generator=g)
+    rows = torch.randint(0, N, (T, K), generator=g).int()
+    rows[torch.rand(T, K, generator=g) < 0.3] = -1
+    return x, tw, rows, w13, w2
+
+
+def test_cpu_branch_enqueue_matches_the_executor():
+    from sgl_kernel.expert_executor import CpuBranchPlan, moe_experts_cpu
+
+    x, tw, rows, w13, w2 = _branch_problem(5)
+    plan = CpuBranchPlan(16, 8, w13, w2)
+    out = torch.full((5, 128), float("nan"), device="cuda")
+    plan.enqueue(x.cuda(), tw.cuda(), rows.cuda(), out)
+    torch.cuda.synchronize()
+    want = torch.empty(5, 128)
+    moe_experts_cpu(x, tw, [rows], [w13], [w2], want)
+    assert torch.equal(out.cpu(), want)
+    assert plan.take_error() == ""
+
+
+def test_cpu_branch_is_captured_in_a_cuda_graph_and_replays_new_inputs():
+    """Fork to a side stream, enqueue, join: captured once, replayed on new routing."""
+    from sgl_kernel.expert_executor import CpuBranchPlan, moe_experts_cpu
+
+    x, tw, rows, w13, w2 = _branch_problem(4, seed=1)
+    plan = CpuBranchPlan(8, 8, w13, w2)
+    sx, stw, srows = x.cuda(), tw.cuda(), rows.cuda()
+    out = torch.zeros(4, 128, device="cuda")
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            plan.enqueue(sx, stw, srows, out)
+        main.wait_stream(side)
+    for seed in (2, 3):
+        x2, tw2, rows2, _, _ = _branch_problem(4, seed=seed)
+        sx.copy_(x2)
+        stw.copy_(tw2)
+        srows.copy_(rows2)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.empty(4, 128)
+        moe_experts_cpu(x2, tw2, [rows2], [w13], [w2], want)
+        assert torch.equal(out.cpu(), want), f"replay {seed}"

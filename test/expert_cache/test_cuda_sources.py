@@ -4,7 +4,9 @@
   (``-std=c++17 -arch=sm_90``);
 * ``csrc/cuda/expert_cache_binding.cpp`` (torch binding) with the host C++ compiler, torch's
   headers and the CUDA toolkit's headers, as setup.py's CUDAExtension would compile it; then the
-  launchers the binding calls must be the ones the kernel object defines.
+  launchers the binding calls must be the ones the kernel object defines;
+* ``csrc/cuda/cpu_branch_binding.cpp`` (the CPU branch as copies + a host function on a stream)
+  the same way.
 
 Skipped, with the reason, when nvcc / a C++ compiler / the headers are missing.
 """
@@ -102,3 +104,32 @@ def test_binding_compiles_against_torch_and_cuda_headers(kernel_object, tmp_path
     wanted = {s for s in needed if s.startswith("sglk_cuda::launch_")}
     assert wanted, "the binding calls no launcher"
     assert wanted <= defined, f"launchers missing from the kernel object: {wanted - defined}"
+
+
+def test_cpu_branch_binding_compiles_against_torch_and_cuda_headers(tmp_path):
+    """The graph-capturable CPU branch (``moe_experts_cpu_enqueue``): copies and a host function
+    on the current stream, the executor reached through the dispatcher."""
+    pytest.importorskip("torch")
+    from torch.utils.cpp_extension import include_paths
+
+    nvcc = _nvcc()
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if nvcc is None or cxx is None:
+        pytest.skip("nvcc or a C++ compiler not found")
+    cuda_inc = _cuda_include(nvcc)
+    incs = include_paths()
+    if cuda_inc is None or not any((Path(p) / "c10" / "cuda" / "CUDAStream.h").exists() for p in incs):
+        pytest.skip("CUDA toolkit headers or torch's c10/cuda headers not found")
+    stub = tmp_path / "stub"
+    if not any((Path(p) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists() for p in incs):
+        (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
+        (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    cmd = [cxx, "-c", "-std=c++20", "-O0", "-fPIC", "-Wall", "-Werror", "-DTORCH_EXTENSION_NAME=_C_cuda"]
+    cmd += [f"-I{p}" for p in incs] + [f"-I{stub}", f"-I{cuda_inc}", f"-I{CUDA_DIR}"]
+    obj = tmp_path / "cpu_branch.o"
+    r = _run(cmd + [CUDA_DIR / "cpu_branch_binding.cpp", "-o", obj])
+    assert r.returncode == 0, f"cpu_branch_binding.cpp failed to compile:\n{r.stderr[-4000:]}"
+    syms = _symbols(obj)
+    if syms is not None:
+        _, undefined = syms
+        assert any("cudaLaunchHostFunc" in u for u in undefined), "no host function launched"

@@ -270,3 +270,48 @@ def test_pool_info_and_read_bandwidth(threads_restored):
         assert f"pinned={n}/{n}" in expert_pool_info()
     gbps = expert_pool_read_bandwidth(torch.empty(8 << 20, dtype=torch.uint8), 2)
     assert gbps > 0.0
+
+
+# ---- fixed-address plans (the CUDA stream branch's CPU side; CpuBranchPlan) -------------------
+
+from sgl_kernel.expert_executor import CpuBranchPlan  # noqa: E402
+
+
+def test_plan_run_is_bit_identical_to_a_direct_call():
+    x, tw, rows, w13, w2 = make_problem(17, 6, 96, 19, 9)
+    plan = CpuBranchPlan(32, 6, w13, w2, pin=False)
+    plan.hidden[:17] = x
+    plan.weights[:17] = tw
+    plan.rows[:17] = rows
+    plan.out.fill_(7.0)
+    plan.run(17)
+    want = torch.empty(17, 96)
+    moe_experts_cpu(x, tw, [rows], [w13], [w2], want)
+    assert torch.equal(plan.out[:17], want)
+    assert torch.all(plan.out[17:] == 7.0), "rows beyond `tokens` must stay untouched"
+    assert plan.take_error() == ""
+
+
+def test_plan_errors_are_kept_for_the_host_and_zero_the_rows():
+    x, tw, rows, w13, w2 = make_problem(4, 8, 64, 32, 16)
+    plan = CpuBranchPlan(8, 8, w13, w2, pin=False)
+    plan.hidden[:4] = x
+    plan.weights[:4] = tw
+    plan.rows[:4] = rows
+    plan.rows[2, 3] = 16  # one past the bank
+    plan.out.fill_(1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        plan.run(4)
+    assert torch.all(plan.out[:4] == 0)
+    assert "out of range" in plan.take_error()
+    assert plan.take_error() == ""  # taken once
+    with pytest.raises(RuntimeError, match="tokens must be in"):
+        plan.run(9)
+
+
+def test_plan_rejects_banks_the_executor_rejects():
+    _, _, _, w13, w2 = make_problem(1, 8, 64, 32, 16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        CpuBranchPlan(4, 8, w13.float(), w2, pin=False)
+    with pytest.raises(RuntimeError, match="does not exist"):
+        torch.ops.sgl_kernel.moe_experts_cpu_run_plan(10**6, 1)

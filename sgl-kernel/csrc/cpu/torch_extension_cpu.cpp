@@ -52,6 +52,11 @@ int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_
 void moe_experts_cpu_wait(int64_t handle);
 int64_t expert_pool_set_threads(int64_t n);
 std::string expert_pool_info();
+int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor& staging_weights,
+                             const at::Tensor& staging_rows, at::TensorList w13, at::TensorList w2,
+                             const at::Tensor& staging_out);
+void moe_experts_cpu_run_plan(int64_t plan, int64_t tokens);
+std::string moe_experts_cpu_plan_error(int64_t plan);
 double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes);
 
 namespace {
@@ -106,6 +111,15 @@ TORCH_LIBRARY(sgl_kernel, m) {
   m.def("expert_pool_set_threads(int n) -> int", &sglk::expert_pool_set_threads);
   m.def("expert_pool_info() -> str", &sglk::expert_pool_info);
   m.def("expert_pool_read_bandwidth(Tensor buffer, int passes) -> float");
+  // fixed-address plans for the CUDA stream branch (csrc/cpu/moe_experts_plan.cpp)
+  m.def(
+      "moe_experts_cpu_plan(Tensor staging_hidden, Tensor staging_weights, Tensor staging_rows, Tensor[] w13, "
+      "Tensor[] w2, Tensor staging_out) -> int");
+  m.def("moe_experts_cpu_run_plan(int plan, int tokens) -> ()", &sglk::moe_experts_cpu_run_plan);
+  m.def("moe_experts_cpu_plan_error(int plan) -> str", &sglk::moe_experts_cpu_plan_error);
+  m.def(
+      "moe_experts_cpu_enqueue(Tensor hidden, Tensor topk_weights, Tensor cpu_rows, int plan, Tensor staging_hidden, "
+      "Tensor staging_weights, Tensor staging_rows, Tensor staging_out, Tensor(a!) out) -> ()");
 
   // kernel ISA selection (diagnostics / tests)
   m.def("cpu_isa() -> str", &sglk::cpu_isa);
@@ -126,6 +140,7 @@ TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
   m.impl("moe_experts_cpu", &sglk::moe_experts_cpu);
   m.impl("moe_experts_cpu_submit", &sglk::moe_experts_cpu_submit);
   m.impl("expert_pool_read_bandwidth", &sglk::expert_pool_read_bandwidth);
+  m.impl("moe_experts_cpu_plan", &sglk::moe_experts_cpu_plan);
 }
 
 // The extension is imported as the Python module sgl_kernel._C; importing it

@@ -52,6 +52,7 @@ __all__ = [
     "expert_pool_set_threads",
     "expert_pool_info",
     "expert_pool_read_bandwidth",
+    "CpuBranchPlan",
 ]
 
 
@@ -171,3 +172,71 @@ def expert_pool_read_bandwidth(buffer: torch.Tensor, passes: int = 1) -> float:
     """
     return _ops.expert_pool_read_bandwidth(buffer, passes)
 
+
+
+class CpuBranchPlan:
+    """The CPU branch of an expert-slot cache as stream work: copy, host function, copy.
+
+    FreeToken §4, "Graph-resident CPU execution": :meth:`enqueue` puts on the current CUDA
+    stream (1) copies of ``hidden`` / ``topk_weights`` / ``cpu_rows`` into this plan's
+    page-locked staging rows, (2) a host function (``cudaLaunchHostFunc``) that runs
+    :func:`moe_experts_cpu` on those rows with the plan's banks, and (3) a copy of the result
+    into ``out`` on the device. Nothing blocks the host and every address is fixed here, so a
+    decode step that calls it inside ``torch.cuda.graph()`` captures the branch and replays it.
+    C++: ``csrc/cpu/moe_experts_plan.cpp``, ``csrc/cuda/cpu_branch_binding.cpp``.
+
+    Calls of one plan must be ordered on one stream (they share the staging rows). The plan
+    lives until the process exits (a captured graph may replay it).
+
+    Args:
+        max_tokens: staging rows (the largest batch :meth:`enqueue` takes).
+        top_k: K of ``topk_weights`` / ``cpu_rows``.
+        w13: ``[N, 2*I, H]`` bf16 contiguous CPU bank (the host pool).
+        w2: ``[N, H, I]`` bf16 contiguous CPU bank.
+        pin: page-lock the staging tensors (needs CUDA; False for CPU-only tests).
+
+    Raises:
+        RuntimeError: banks of the wrong dtype, layout or device (the executor's checks).
+    """
+
+    def __init__(self, max_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, pin: bool = True):
+        H = w13.shape[2]
+        alloc = dict(device="cpu", pin_memory=pin)
+        self.max_tokens = max_tokens
+        self.hidden = torch.zeros(max_tokens, H, dtype=torch.bfloat16, **alloc)
+        self.weights = torch.zeros(max_tokens, top_k, dtype=torch.float32, **alloc)
+        self.rows = torch.full((max_tokens, top_k), -1, dtype=torch.int32, **alloc)
+        self.out = torch.zeros(max_tokens, H, dtype=torch.float32, **alloc)
+        self.w13, self.w2 = w13, w2
+        self.handle = _ops.moe_experts_cpu_plan(self.hidden, self.weights, self.rows, [w13], [w2], self.out)
+
+    def run(self, tokens: int) -> None:
+        """Run the executor on staging rows ``0..tokens-1`` now (what the host function does).
+
+        Raises:
+            RuntimeError: ``tokens`` outside ``[0, max_tokens]``, or the executor's error (a
+                row outside the bank), after zeroing the output rows.
+        """
+        _ops.moe_experts_cpu_run_plan(self.handle, tokens)
+
+    def enqueue(self, hidden: torch.Tensor, topk_weights: torch.Tensor, cpu_rows: torch.Tensor,
+                out: torch.Tensor) -> None:
+        """Enqueue the branch on the current CUDA stream (see the class doc).
+
+        Args:
+            hidden: ``[T, H]`` bf16 contiguous CUDA tensor, ``T <= max_tokens``.
+            topk_weights: ``[T, K]`` float32 contiguous CUDA tensor.
+            cpu_rows: ``[T, K]`` int32 contiguous CUDA tensor: bank row of (t, k), or -1.
+            out: ``[T, H]`` float32 contiguous CUDA tensor, written when the stream gets there.
+
+        Raises:
+            RuntimeError: wrong dtype, device, shape, or ``T > max_tokens``. Errors of the
+                executor inside the host function cannot raise: they zero the output rows and
+                are returned by :meth:`take_error`.
+        """
+        _ops.moe_experts_cpu_enqueue(hidden, topk_weights, cpu_rows, self.handle, self.hidden, self.weights,
+                                     self.rows, self.out, out)
+
+    def take_error(self) -> str:
+        """The first executor error since the last call ('' if none), and clear it."""
+        return _ops.moe_experts_cpu_plan_error(self.handle)

@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 # Index of each counter in the op's cumulative ``stats`` tensor.
 STAT_HITS, STAT_MISSES, STAT_FILLS, STAT_CPU = range(4)
 
+# Largest batch whose CPU branch runs as stream work (copy + host function + copy, capturable
+# in a CUDA graph); its page-locked staging costs max_tokens * (6 * H + 8 * K) bytes.
+STREAM_BRANCH_MAX_TOKENS = 512
+
 
 def _ops():
     import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel.*)
@@ -99,6 +103,7 @@ class ExpertSlotCache:
         self.bandwidths: Optional[Bandwidths] = None
         self.calls = 0
         self._metrics = None
+        self._branch = None  # (CpuBranchPlan, side stream) on CUDA, made on first use
         self.recorder = None
         if config.record_routing:
             from sglang.srt.layers.moe.expert_cache.routing_trace import RoutingRecorder
@@ -209,6 +214,8 @@ class ExpertSlotCache:
         self.fill_dst = torch.full((self.max_fills,), -1, **i32)
         self.fills_per_call: list[int] = []
         self._place_at_load()
+        if self.device.type == "cuda":
+            self._cpu_branch()  # page-locked staging allocated before any graph capture
         threads = _ops().expert_pool_set_threads(cfg.cpu_threads)
         self.bandwidths = self._bandwidths(threads)
         logger.info(
@@ -411,10 +418,8 @@ class ExpertSlotCache:
         )
         return out.to(x.dtype)
 
-    def _forward_cuda(self, x, weights, slot_ids, cpu_ids, moe_runner_config):
-        """GPU path: CPU branch submitted first, device fused MoE over the slots, then the
-        sum. Not yet run on a GPU: it syncs once to hand the CPU ids to the executor, so it
-        is eager-only (the graph-captured version puts this hand-off in a host node)."""
+    def _slot_experts(self, x, weights, slot_ids, moe_runner_config):
+        """[T, H] device partial sum of the (t, k) entries served from slots (hits and fills)."""
         from dataclasses import replace
 
         from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
@@ -422,17 +427,10 @@ class ExpertSlotCache:
         )
         from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-        ops = _ops()
-        x_host = x.to("cpu", non_blocking=True)
-        w_host = weights.to("cpu", non_blocking=True)
-        cpu_host = cpu_ids.to("cpu", non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        out_host = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
-        handle = ops.moe_experts_cpu_submit(
-            x_host, w_host, [cpu_host], [self.host["w13"]], [self.host["w2"]], out_host, False
-        )
+        if self.num_slots == 0:
+            return torch.zeros_like(x)
         masked = slot_ids < 0
-        device_part = fused_experts(
+        return fused_experts(
             x,
             self.slots["w13"],
             self.slots["w2"],
@@ -449,6 +447,50 @@ class ExpertSlotCache:
                 no_combine=False,
             ),
         )
+
+    def _cpu_branch(self):
+        """(plan, side stream) of the stream CPU branch, made on first use."""
+        if self._branch is None:
+            from sgl_kernel.expert_executor import CpuBranchPlan
+
+            plan = CpuBranchPlan(
+                STREAM_BRANCH_MAX_TOKENS, self.top_k, self.host["w13"], self.host["w2"]
+            )
+            self._branch = (plan, torch.cuda.Stream(device=self.device))
+        return self._branch
+
+    def _forward_cuda(self, x, weights, slot_ids, cpu_ids, moe_runner_config):
+        """GPU path. Batches of at most ``STREAM_BRANCH_MAX_TOKENS`` tokens (decode): the CPU
+        branch goes on a side stream as copy + host function + copy (no host sync, capturable
+        in a CUDA graph, FreeToken §4), forked before and joined after the device's slot
+        experts. Larger batches (prefill chunks): the CPU ids are handed over with one sync,
+        the executor is submitted, the device computes meanwhile, then the sum. Not yet run
+        on a GPU (this project's machines have none)."""
+        T = x.shape[0]
+        if T <= STREAM_BRANCH_MAX_TOKENS:
+            plan, side = self._cpu_branch()
+            main = torch.cuda.current_stream(self.device)
+            cpu_part = torch.empty(T, self.hidden_size, dtype=torch.float32, device=x.device)
+            cpu_ids = cpu_ids.contiguous()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                plan.enqueue(x, weights, cpu_ids, cpu_part)
+            for t in (x, weights, cpu_ids, cpu_part):
+                t.record_stream(side)
+            device_part = self._slot_experts(x, weights, slot_ids, moe_runner_config)
+            main.wait_stream(side)
+            return (device_part.float() + cpu_part).to(x.dtype)
+
+        ops = _ops()
+        x_host = x.to("cpu", non_blocking=True)
+        w_host = weights.to("cpu", non_blocking=True)
+        cpu_host = cpu_ids.to("cpu", non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        out_host = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
+        handle = ops.moe_experts_cpu_submit(
+            x_host, w_host, [cpu_host], [self.host["w13"]], [self.host["w2"]], out_host, False
+        )
+        device_part = self._slot_experts(x, weights, slot_ids, moe_runner_config)
         ops.moe_experts_cpu_wait(handle)
         return (device_part.float() + out_host.to(x.device, non_blocking=True)).to(x.dtype)
 
@@ -477,6 +519,10 @@ class ExpertSlotCache:
         Called every 64 layer calls; skipped inside a CUDA graph capture."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
+        if self._branch is not None:
+            err = self._branch[0].take_error()
+            if err:
+                raise RuntimeError(f"expert cache: the CPU branch failed in a host function: {err}")
         if self._metrics is None:
             self._metrics = _Metrics.create()
             if self._metrics is None:

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The CUDA checks, as one script for a lent GPU machine (run from the repository root; ~5 min).
+# Builds sgl-kernel in place with the machine's CUDA torch and toolkit, then runs the GPU tests:
+# the control op and bank copy against the CPU ops (CUDA-graph replay included) and the CPU
+# branch as copy + host function + copy, eager and captured in a CUDA graph; then the control
+# op's timing on the device. Prints everything; record the output in the issue note.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+$PY - <<'PY'
+import torch, sys
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available() and torch.cuda.get_device_name())
+sys.exit(0 if torch.cuda.is_available() else 1)
+PY
+[ $? -eq 0 ] || { echo "no CUDA torch here"; exit 1; }
+(cd sgl-kernel && SGL_KERNEL_BUILD_CUDA=1 $PY setup.py build_ext --inplace -j 16 2>&1 | tail -5)
+export PYTHONPATH=$PWD/sgl-kernel/python:$PWD/python:${PYTHONPATH:-}
+$PY -m pytest -q -ra test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_sources.py 2>&1 | tail -25
+$PY benchmark/expert_cache_control.py --device cuda 2>&1 | tail -8
