@@ -9,9 +9,9 @@
 // addresses never change, so the three steps can be captured in a CUDA graph and replayed.
 //
 // Plans live until the process exits (a captured graph may replay one at any time); a process
-// makes one per expert-slot cache. A run that fails inside a host function cannot raise into the
-// stream: it zeroes the output rows and records its message, which moe_experts_cpu_plan_error
-// returns (and clears) on the host.
+// makes one per expert-slot cache. A failed run zeroes its output rows and records its message
+// (moe_experts_cpu_plan_error returns and clears it) before raising; inside a host function,
+// which cannot raise, the CUDA side then aborts the process with that message.
 #include <ATen/ATen.h>
 
 #include <memory>

@@ -118,8 +118,8 @@ TORCH_LIBRARY(sgl_kernel, m) {
   m.def("moe_experts_cpu_run_plan(int plan, int tokens) -> ()", &sglk::moe_experts_cpu_run_plan);
   m.def("moe_experts_cpu_plan_error(int plan) -> str", &sglk::moe_experts_cpu_plan_error);
   m.def(
-      "moe_experts_cpu_enqueue(Tensor hidden, Tensor topk_weights, Tensor cpu_rows, int plan, Tensor staging_hidden, "
-      "Tensor staging_weights, Tensor staging_rows, Tensor staging_out, Tensor(a!) out) -> ()");
+      "moe_experts_cpu_enqueue(Tensor hidden, Tensor topk_weights, Tensor cpu_rows, int plan, Tensor(b!) staging_hidden, "
+      "Tensor(c!) staging_weights, Tensor(d!) staging_rows, Tensor(e!) staging_out, Tensor(a!) out) -> ()");
 
   // kernel ISA selection (diagnostics / tests)
   m.def("cpu_isa() -> str", &sglk::cpu_isa);

@@ -12,8 +12,7 @@
 // this inside torch.cuda.graph() captures the CPU branch as copy + host node + copy and replays it.
 // The caller runs it on a side stream (fork/join with events) so the device computes the slot
 // experts meanwhile. A host function must not call CUDA: the executor is CPU-only. An executor
-// error inside the host function zeroes the output rows and is kept for
-// moe_experts_cpu_plan_error.
+// error inside the host function aborts the process with its message (see run_host_call).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAException.h>
@@ -22,6 +21,9 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,12 +59,19 @@ const c10::TypedOperatorHandle<RunPlanFn>& run_plan_op() {
   return op;
 }
 
+// A host function cannot raise, and a stream (or a replayed graph) that went on would serve
+// wrong tokens: an executor error (an internal bug, e.g. a row outside the host pool) aborts the
+// process with its message.
 void CUDART_CB run_host_call(void* arg) {
   const HostCall* c = static_cast<const HostCall*>(arg);
   try {
     run_plan_op().call(c->plan, c->tokens);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sgl_kernel: the expert cache's CPU branch failed in a host function: %s\n", e.what());
+    std::abort();
   } catch (...) {
-    // Recorded by the plan (moe_experts_cpu_plan_error); a host function cannot raise.
+    std::fprintf(stderr, "sgl_kernel: the expert cache's CPU branch failed in a host function\n");
+    std::abort();
   }
 }
 
@@ -91,6 +100,9 @@ void moe_experts_cpu_enqueue_cuda(const at::Tensor& hidden, const at::Tensor& to
   check(staging_weights, "staging_weights", at::kFloat, false);
   check(staging_rows, "staging_rows", at::kInt, false);
   check(staging_out, "staging_out", at::kFloat, false);
+  for (const at::Tensor* t : {&staging_hidden, &staging_weights, &staging_rows, &staging_out})
+    TORCH_CHECK(t->is_pinned(), "moe_experts_cpu_enqueue: staging tensors must be page-locked (pin_memory=True): ",
+                "a copy from pageable memory is staged when enqueued and would read stale rows");
   const int64_t T = hidden.size(0), H = hidden.size(1), K = topk_weights.size(1);
   TORCH_CHECK(topk_weights.size(0) == T && cpu_rows.size(0) == T && cpu_rows.size(1) == K && out.size(0) == T &&
                   out.size(1) == H,

@@ -185,8 +185,9 @@ class CpuBranchPlan:
     decode step that calls it inside ``torch.cuda.graph()`` captures the branch and replays it.
     C++: ``csrc/cpu/moe_experts_plan.cpp``, ``csrc/cuda/cpu_branch_binding.cpp``.
 
-    Calls of one plan must be ordered on one stream (they share the staging rows). The plan
-    lives until the process exits (a captured graph may replay it).
+    Calls of one plan must be ordered on one stream (they share the staging rows): one plan per
+    stream of layer calls (two-batch overlap would need two). The plan lives until the process
+    exits (a captured graph may replay it).
 
     Args:
         max_tokens: staging rows (the largest batch :meth:`enqueue` takes).
@@ -230,9 +231,9 @@ class CpuBranchPlan:
             out: ``[T, H]`` float32 contiguous CUDA tensor, written when the stream gets there.
 
         Raises:
-            RuntimeError: wrong dtype, device, shape, or ``T > max_tokens``. Errors of the
-                executor inside the host function cannot raise: they zero the output rows and
-                are returned by :meth:`take_error`.
+            RuntimeError: wrong dtype, device, shape, unpinned staging, or ``T > max_tokens``.
+                An executor error inside the host function (an internal bug: a row outside
+                the bank) cannot raise there: it aborts the process with the message.
         """
         _ops.moe_experts_cpu_enqueue(hidden, topk_weights, cpu_rows, self.handle, self.hidden, self.weights,
                                      self.rows, self.out, out)

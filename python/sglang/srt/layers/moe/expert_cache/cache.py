@@ -26,6 +26,7 @@ of MoE kernel.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Dict, Optional
 
@@ -45,9 +46,32 @@ logger = logging.getLogger(__name__)
 # Index of each counter in the op's cumulative ``stats`` tensor.
 STAT_HITS, STAT_MISSES, STAT_FILLS, STAT_CPU = range(4)
 
-# Largest batch whose CPU branch runs as stream work (copy + host function + copy, capturable
-# in a CUDA graph); its page-locked staging costs max_tokens * (6 * H + 8 * K) bytes.
-STREAM_BRANCH_MAX_TOKENS = 512
+# Batches up to this many tokens run their CPU branch as stream work (copy + host function +
+# copy, capturable in a CUDA graph); page-locked staging costs tokens * (6 * H + 8 * K) bytes.
+STREAM_BRANCH_MIN_TOKENS = 512
+STREAM_TOKENS_ENV = "SGLANG_EXPERT_CACHE_STREAM_TOKENS"
+
+
+def stream_branch_tokens() -> int:
+    """Rows of the CPU branch's staging: ``$SGLANG_EXPERT_CACHE_STREAM_TOKENS`` if set, else the
+    largest of 512 and the decode CUDA-graph batch size times the speculative draft tokens
+    (every batch a graph may capture)."""
+    env = os.environ.get(STREAM_TOKENS_ENV)
+    if env:
+        return max(1, int(env))
+    n = STREAM_BRANCH_MIN_TOKENS
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        bs = max(
+            getattr(args, f, None) or 0
+            for f in ("cuda_graph_max_bs", "cuda_graph_max_bs_decode")
+        )
+        n = max(n, bs * max(1, getattr(args, "speculative_num_draft_tokens", None) or 1))
+    except Exception:  # no server (tests, benchmarks)
+        pass
+    return n
 
 
 def _ops():
@@ -454,29 +478,35 @@ class ExpertSlotCache:
             from sgl_kernel.expert_executor import CpuBranchPlan
 
             plan = CpuBranchPlan(
-                STREAM_BRANCH_MAX_TOKENS, self.top_k, self.host["w13"], self.host["w2"]
+                stream_branch_tokens(), self.top_k, self.host["w13"], self.host["w2"]
             )
             self._branch = (plan, torch.cuda.Stream(device=self.device))
         return self._branch
 
     def _forward_cuda(self, x, weights, slot_ids, cpu_ids, moe_runner_config):
-        """GPU path. Batches of at most ``STREAM_BRANCH_MAX_TOKENS`` tokens (decode): the CPU
+        """GPU path. Batches of at most :func:`stream_branch_tokens` tokens (decode): the CPU
         branch goes on a side stream as copy + host function + copy (no host sync, capturable
         in a CUDA graph, FreeToken §4), forked before and joined after the device's slot
         experts. Larger batches (prefill chunks): the CPU ids are handed over with one sync,
         the executor is submitted, the device computes meanwhile, then the sum. Not yet run
         on a GPU (this project's machines have none)."""
         T = x.shape[0]
-        if T <= STREAM_BRANCH_MAX_TOKENS:
-            plan, side = self._cpu_branch()
+        plan, side = self._cpu_branch()
+        if T > plan.max_tokens and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"expert cache: a CUDA graph captures a batch of {T} tokens, more than the "
+                f"{plan.max_tokens} rows of the CPU branch's staging; set "
+                f"{STREAM_TOKENS_ENV}={T} (or lower the captured batch sizes)"
+            )
+        if T <= plan.max_tokens:
             main = torch.cuda.current_stream(self.device)
             cpu_part = torch.empty(T, self.hidden_size, dtype=torch.float32, device=x.device)
             cpu_ids = cpu_ids.contiguous()
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 plan.enqueue(x, weights, cpu_ids, cpu_part)
-            for t in (x, weights, cpu_ids, cpu_part):
-                t.record_stream(side)
+            # No record_stream: the join below orders every later use of these blocks on main
+            # after the side stream's work (and record_stream would pin them for a whole capture).
             device_part = self._slot_experts(x, weights, slot_ids, moe_runner_config)
             main.wait_stream(side)
             return (device_part.float() + cpu_part).to(x.dtype)
@@ -519,10 +549,6 @@ class ExpertSlotCache:
         Called every 64 layer calls; skipped inside a CUDA graph capture."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        if self._branch is not None:
-            err = self._branch[0].take_error()
-            if err:
-                raise RuntimeError(f"expert cache: the CPU branch failed in a host function: {err}")
         if self._metrics is None:
             self._metrics = _Metrics.create()
             if self._metrics is None:
