@@ -37,7 +37,13 @@ def _chat_template(server_args, tokenizer) -> Optional[str]:
 
 def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
     """A constructor ``params -> AnchorRadixCache`` when anchors apply to this server, else None
-    (anchors off, attention-only model, radix cache off, extra-buffer strategy, no tokenizer)."""
+    (anchors off, attention-only model, radix cache off, extra-buffer strategy, page size > 1,
+    chunked prefill off, hierarchical cache, no tokenizer or one without a readable vocabulary).
+
+    Raises:
+        ValueError: ``--anchor-checkpoint-min-gap`` below 1, or ``--anchor-checkpoint-max-states``
+            0 or below -1.
+    """
     from sglang.srt.runtime_context import get_exec
 
     mamba = get_exec().mamba
@@ -53,20 +59,29 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
             f"{mamba.anchor_checkpoint_max_states}"
         )
     why_not = None
+    chunked = getattr(ctx.server_args, "chunked_prefill_size", None)
     if ctx.params.enable_mamba_extra_buffer:
         why_not = "the extra_buffer mamba radix cache strategy"
     elif ctx.params.page_size != 1:
         why_not = f"page size {ctx.params.page_size}"
+    elif chunked is None or chunked <= 0:
+        why_not = "chunked prefill off (--chunked-prefill-size -1); anchors end chunks early"
+    elif ctx.enable_hierarchical_cache:
+        why_not = "the hierarchical cache (--enable-hierarchical-cache)"
     tokenizer = getattr(ctx.tp_worker, "tokenizer", None)
     if why_not is None and tokenizer is None:
         why_not = "no tokenizer in the scheduler (--skip-tokenizer-init)"
     if why_not is not None:
         logger.warning("Anchor checkpoints are off: not supported with %s.", why_not)
         return None
-    scanner = AnchorScanner.from_tokenizer(
-        tokenizer, markers=mamba.anchor_markers,
-        chat_template=_chat_template(ctx.server_args, tokenizer),
-    )
+    try:
+        scanner = AnchorScanner.from_tokenizer(
+            tokenizer, markers=mamba.anchor_markers,
+            chat_template=_chat_template(ctx.server_args, tokenizer),
+        )
+    except Exception as e:  # a tokenizer without the Hugging Face vocabulary API
+        logger.warning("Anchor checkpoints are off: cannot read the tokenizer's vocabulary (%r).", e)
+        return None
     if not scanner.markers:
         logger.warning("Anchor checkpoints are off: no markers in the tokenizer or chat template.")
         return None
