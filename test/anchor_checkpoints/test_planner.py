@@ -1,6 +1,8 @@
-"""Where the planner ends prefill chunks: at anchors only, spaced by ``min_gap``, never in the
-last ``TAIL_TOKENS`` tokens, never an empty chunk; and every anchor of a prefilled prompt keeps a
-saved state fewer than ``min_gap`` tokens before it (the bound on tokens a restore loses)."""
+"""Where the planner ends prefill chunks: at anchors only, spaced by
+``gap = max(min_gap, distance to the prompt end // SPACING_DIVISOR)``, never in the last
+``TAIL_TOKENS`` tokens, never an empty chunk; every anchor of a prefilled prompt keeps a saved
+state fewer than ``gap`` tokens before it (the bound on tokens a restore loses); and a long
+prompt full of anchors costs logarithmically many cuts, not ``n / min_gap``."""
 from __future__ import annotations
 
 import types
@@ -9,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from cache_sim import B_GT, B_LT, CLOSE, OPEN, VOCAB, toy_scanner
-from sglang.srt.mem_cache.anchor_checkpoints.planner import TAIL_TOKENS, AnchorPlanner
+from sglang.srt.mem_cache.anchor_checkpoints.planner import SPACING_DIVISOR, TAIL_TOKENS, AnchorPlanner
 
 SCANNER = toy_scanner()
 
@@ -86,10 +88,33 @@ def test_chunking_keeps_a_state_within_gap_of_every_anchor(ids, gap, budgets, st
         m = p.cut(r, pos, n)
         assert 0 < m <= n
         if m < n:
-            assert pos + m - pos >= gap and pos + m <= len(ids) - TAIL_TOKENS
+            assert m >= p.gap(len(ids), pos) and pos + m <= len(ids) - TAIL_TOKENS
             assert pos + m in SCANNER.scan(ids).tolist()
         pos += m
         ends.append(pos)
     for a in SCANNER.scan(ids, start).tolist():
         if a <= len(ids) - TAIL_TOKENS:
-            assert any(a - gap < e <= a for e in ends), (a, ends)
+            s = max(e for e in ends if e <= a)  # the start of the chunk that covers a
+            assert a - s < p.gap(len(ids), s), (a, ends)
+
+
+def test_spacing_grows_with_the_distance_to_the_prompt_end():
+    """A 100K-token prompt with an anchor every 10 tokens: cuts are dense only near its end, and
+    the number of cuts is logarithmic in its length."""
+    ids = []
+    while len(ids) < 100_000:
+        ids += [OPEN] + text(9)
+    ids = ids[:100_000]
+    p = AnchorPlanner(SCANNER, min_gap=64)
+    r = req(ids)
+    pos, cuts = 0, []
+    while pos < len(ids):
+        m = p.cut(r, pos, min(4096, len(ids) - pos))
+        if pos + m < len(ids) and m < min(4096, len(ids) - pos):
+            cuts.append(pos + m)
+        pos += m
+    assert 20 <= len(cuts) <= SPACING_DIVISOR * 8, len(cuts)
+    # near the end: spacing of about min_gap; deep in: thousands of tokens
+    tail = [c for c in cuts if c > len(ids) - 1000]
+    assert len(tail) >= 10
+    assert max(b - a for a, b in zip(cuts, cuts[1:])) > 1000

@@ -8,11 +8,21 @@ gets a copy of the state, and a later prompt that shares the prefix up to the an
 (the mamba match validator stops at the deepest node holding a state, on any position).
 
 The planner is the one seam into the scheduler: ``PrefillAdder`` asks :meth:`AnchorPlanner.cut`
-how long the next chunk of a request may be. Cuts are spaced: an anchor is used only if it lies
-at least ``min_gap`` tokens after the chunk start (the previous cut or the restored prefix), so a
-prompt of ``n`` new tokens costs at most ``n / min_gap`` extra forward passes, and every anchor
-keeps a saved state fewer than ``min_gap`` tokens before it. Anchors in the last
-``TAIL_TOKENS`` tokens of a prompt are not cut: the prompt end is saved anyway.
+how long the next chunk of a request may be. Cuts are spaced by the distance to the prompt end:
+an anchor is used only if it lies at least ``gap(s) = max(min_gap, (n - s) // SPACING_DIVISOR)``
+tokens after the chunk start ``s`` (the previous cut or the restored prefix; ``n`` the prompt
+length). So cuts are dense (every ``min_gap`` tokens) near the end of a prompt, where agent
+harnesses edit (the trailing message, the last turn's thinking, the newest tool output), and
+thin out geometrically deeper in: each cut shrinks the distance to the end by at least
+``1 / SPACING_DIVISOR``, so a prompt of ``n`` new tokens costs at most about
+``SPACING_DIVISOR * (ln(n / (SPACING_DIVISOR * min_gap)) + 1)`` extra forward passes (a
+100K-token prompt with an anchor every 10 tokens: 55 passes at 4096-token chunks, against 25
+without anchors and about 1,560 with uniform ``min_gap`` spacing; ``test_planner.py``). Every
+anchor keeps a saved state fewer than ``gap`` tokens before it: a restore at distance ``d``
+from the end of the prompt that saved it loses fewer than ``max(min_gap, d / (SPACING_DIVISOR - 1))``
+tokens, a small share of the ``d`` tokens after the edit that must be prefilled anyway.
+Anchors in the last ``TAIL_TOKENS`` tokens of a prompt are not cut: the prompt end is saved
+anyway.
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TAIL_TOKENS = 8
+SPACING_DIVISOR = 8
 
 
 class AnchorPlanner:
@@ -54,13 +65,18 @@ class AnchorPlanner:
         req._anchor_positions = (len(ids), start, pos)
         return pos
 
+    def gap(self, total: int, start: int) -> int:
+        """Least distance from a chunk start ``start`` to a cut, in a prompt of ``total``
+        tokens (see the module doc)."""
+        return max(self.min_gap, (total - start) // SPACING_DIVISOR)
+
     def next_cut(self, req: Req, prefix_len: int, extend_len: int) -> Optional[int]:
         """The first usable anchor in ``(prefix_len, prefix_len + extend_len)``, or None."""
         if extend_len <= self.min_gap or req.multimodal_inputs is not None:
             return None
         total = len(req.full_untruncated_fill_ids)
         limit = min(prefix_len + extend_len, total - TAIL_TOKENS + 1)
-        lo = prefix_len + self.min_gap
+        lo = prefix_len + self.gap(total, prefix_len)
         if lo >= limit:
             return None
         pos = self.positions(req, prefix_len)
