@@ -69,8 +69,11 @@ class AnchorStats:
         """A request is admitted with ``prefix_len`` tokens from the cache."""
         total = len(req.full_untruncated_fill_ids)
         src = req.kv.mamba_cow_src_index
-        restored = (
-            prefix_len > 0
+        # Reading the slot index is a host sync when the state pool is on a GPU: only when
+        # some anchor checkpoint is held.
+        restored = bool(
+            self.slots
+            and prefix_len > 0
             and src is not None
             and self.slots.get(int(src.view(-1)[0])) == prefix_len
         )
