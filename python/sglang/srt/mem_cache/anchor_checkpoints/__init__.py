@@ -59,7 +59,9 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
             f"{mamba.anchor_checkpoint_max_states}"
         )
     why_not = None
-    chunked = getattr(ctx.server_args, "chunked_prefill_size", None)
+    from sglang.srt.runtime_context import get_schedule
+
+    chunked = get_schedule().chunked_prefill_size  # what the scheduler uses (init_chunked_prefill)
     if ctx.params.enable_mamba_extra_buffer:
         why_not = "the extra_buffer mamba radix cache strategy"
     elif ctx.params.page_size != 1:
