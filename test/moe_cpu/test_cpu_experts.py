@@ -95,6 +95,8 @@ def test_out_of_range_expert_id_is_an_error():
     (lambda l, c: (l, MoeRunnerConfig(apply_router_weight_on_input=True)), "router weight"),
     (lambda l, c: (l, MoeRunnerConfig(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)), "alpha"),
     (lambda l, c: (setattr(l, "w13_weight_bias", torch.zeros(1)) or l, c), "biases"),
+    (lambda l, c: (setattr(l, "w2_weight", torch.nn.Parameter(
+        l.w2_weight.transpose(1, 2).contiguous().transpose(1, 2), requires_grad=False)) or l, c), "non-contiguous"),
 ])
 def test_unsupported_layers_keep_upstreams_path(change, reason):
     layer, cfg = change(make_layer(), MoeRunnerConfig())
@@ -129,3 +131,10 @@ def test_patched_forward_cpu_uses_the_executor(monkeypatch):
     res = method.forward_cpu(layer, types.SimpleNamespace(hidden_states=x, topk_output=topk))
     torch.testing.assert_close(res.hidden_states, cpu_experts.cpu_experts_forward(layer, x, topk, MoeRunnerConfig()),
                                atol=0, rtol=0)
+
+
+def test_float32_activations_keep_upstreams_path():
+    layer = make_layer()
+    x, topk = make_routing()
+    assert cpu_experts.cpu_experts_forward(layer, x.float(), topk, MoeRunnerConfig()) is None
+    assert cpu_experts.cpu_experts_forward(layer, x, topk, MoeRunnerConfig()) is not None

@@ -6,9 +6,10 @@ Upstream 0.5.23 runs an unquantized ``FusedMoE`` layer on the CPU with
 else it falls back to ``moe_forward_native``, a Python loop over the experts with one bf16
 ``torch.mm`` pair per expert that holds a token. On this project's machines (AVX-512 BF16, no
 AMX) that loop is most of a short prefill's time: about 0.9 s per layer call for 150 tokens of
-the tiny 64-expert model, whatever the token count, because each small matmul pays a fixed
-cost. Patch ``0032-cpu-moe-expert-executor`` sends such layers here instead: one
-``sgl_kernel.moe_experts_cpu`` call over the layer's own ``w13_weight`` / ``w2_weight``, the
+the tiny 64-expert model in the server on a loaded machine; ``benchmark/cpu_moe_layer.py``
+puts one layer call at 184 ms for 1 token and 72 ms for 150 against 0.2 ms and 13 ms here,
+because each small matmul pays a fixed cost. Patch ``0032-cpu-moe-expert-executor`` sends such
+layers here instead: one ``sgl_kernel.moe_experts_cpu`` call over the layer's own ``w13_weight`` / ``w2_weight``, the
 same kernel (AVX-512 BF16 / AVX-512 / AVX2 / scalar, chosen at load) and worker pool that the
 expert-slot cache uses for its CPU misses (``layers/moe/expert_cache/``).
 
@@ -17,7 +18,7 @@ rounded to bf16 once, the down projection accumulates in fp32 and the top-k sum 
 order in fp32, then rounded to bf16 (``moe_forward_native`` rounds every intermediate to bf16).
 Like ``moe_forward_native``, the layer call leaves ``routed_scaling_factor`` to the model.
 
-``SGLANG_CPU_MOE_BACKEND=native`` keeps upstream's loop (for comparisons).
+``SGLANG_CPU_MOE_BACKEND=native`` (read at a layer's first call) keeps upstream's loop.
 """
 
 from __future__ import annotations
@@ -42,18 +43,12 @@ def _executor_op():
     return ops.moe_experts_cpu if hasattr(ops, "moe_experts_cpu") else None
 
 
-def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_config) -> Optional[str]:
-    """Why the executor cannot run this layer call (None when it can).
+_UNSET = object()
+_REASON_ATTR = "_cpu_experts_unsupported"  # the layer's cached verdict (None: supported)
 
-    Args:
-        layer: a ``FusedMoE`` layer with resident ``w13_weight`` ``[E, 2*I, H]`` and
-            ``w2_weight`` ``[E, H, I]``.
-        x: ``[T, H]`` hidden states.
-        moe_runner_config: the layer's ``MoeRunnerConfig``.
 
-    Returns:
-        A short reason (e.g. ``"weights are torch.float32"``) or None.
-    """
+def _layer_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
+    """The per-layer part of :func:`unsupported_reason` (weights, config, environment)."""
     if os.environ.get(ENV_BACKEND, "auto").lower() == "native":
         return f"{ENV_BACKEND}=native"
     if _executor_op() is None:
@@ -62,10 +57,12 @@ def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_confi
     w2 = getattr(layer, "w2_weight", None)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
         return "no resident w13_weight / w2_weight"
-    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        return f"weights are {w13.dtype}, activations {x.dtype} (bf16 only)"
-    if w13.device.type != "cpu" or x.device.type != "cpu":
-        return "not on the CPU"
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        return f"weights are {w13.dtype} (bf16 only)"
+    if w13.device.type != "cpu":
+        return "weights not on the CPU"
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        return "non-contiguous expert weights"
     if moe_runner_config.activation != "silu" or not getattr(moe_runner_config, "is_gated", True):
         return f"activation {moe_runner_config.activation} (gated SiLU only)"
     if any(getattr(moe_runner_config, f, None) is not None for f in ("gemm1_beta", "swiglu_limit")):
@@ -79,6 +76,30 @@ def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_confi
     if getattr(getattr(layer, "quant_method", None), "w13_swiglu_interleaved", False):
         return "interleaved gate/up rows"
     return None
+
+
+def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_config) -> Optional[str]:
+    """Why the executor cannot run this layer call (None when it can).
+
+    The per-layer verdict (weights, runner config, ``SGLANG_CPU_MOE_BACKEND``) is computed on the
+    layer's first call and cached on the layer; each call then checks only ``x``.
+
+    Args:
+        layer: a ``FusedMoE`` layer with resident ``w13_weight`` ``[E, 2*I, H]`` and
+            ``w2_weight`` ``[E, H, I]``.
+        x: ``[T, H]`` hidden states.
+        moe_runner_config: the layer's ``MoeRunnerConfig``.
+
+    Returns:
+        A short reason (e.g. ``"weights are torch.float32 (bf16 only)"``) or None.
+    """
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return f"activations {x.dtype} on {x.device.type} (bf16 on the CPU only)"
+    reason = getattr(layer, _REASON_ATTR, _UNSET)
+    if reason is _UNSET:
+        reason = _layer_reason(layer, moe_runner_config)
+        setattr(layer, _REASON_ATTR, reason)
+    return reason
 
 
 def cpu_experts_forward(
@@ -110,8 +131,8 @@ def cpu_experts_forward(
         x.contiguous(),
         topk_weights.to(torch.float32).contiguous(),
         [topk_ids.to(torch.int32).contiguous()],
-        [w13 if w13.is_contiguous() else w13.contiguous()],
-        [w2 if w2.is_contiguous() else w2.contiguous()],
+        [w13],
+        [w2],
         out,
         False,
     )
