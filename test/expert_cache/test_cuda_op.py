@@ -191,7 +191,6 @@ def test_cpu_branch_enqueue_matches_the_executor():
     want = torch.empty(5, 128)
     moe_experts_cpu(x, tw, [rows], [w13], [w2], want)
     assert torch.equal(out.cpu(), want)
-    assert plan.take_error() == ""
 
 
 def test_cpu_branch_is_captured_in_a_cuda_graph_and_replays_new_inputs():

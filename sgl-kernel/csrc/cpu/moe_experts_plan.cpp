@@ -9,14 +9,12 @@
 // addresses never change, so the three steps can be captured in a CUDA graph and replayed.
 //
 // Plans live until the process exits (a captured graph may replay one at any time); a process
-// makes one per expert-slot cache. A failed run zeroes its output rows and records its message
-// (moe_experts_cpu_plan_error returns and clears it) before raising; inside a host function,
-// which cannot raise, the CUDA side then aborts the process with that message.
+// makes one per expert-slot cache. A failed run raises the executor's error; inside a host
+// function, which cannot raise, the CUDA side aborts the process with that message.
 #include <ATen/ATen.h>
 
 #include <memory>
 #include <mutex>
-#include <string>
 #include <vector>
 
 namespace sglk {
@@ -29,8 +27,6 @@ namespace {
 struct MoePlan {
   at::Tensor hidden, weights, rows, out;
   std::vector<at::Tensor> w13, w2;
-  std::mutex mu;  // guards error
-  std::string error;
 };
 
 std::mutex g_plans_mu;
@@ -81,24 +77,9 @@ void moe_experts_cpu_run_plan(int64_t plan, int64_t tokens) {
   MoePlan& p = plan_at(plan);
   TORCH_CHECK(tokens >= 0 && tokens <= p.hidden.size(0), "moe_experts_cpu_run_plan: tokens must be in [0, ",
               p.hidden.size(0), "] (the plan's staging rows), got ", tokens);
-  try {
-    std::vector<at::Tensor> rows{p.rows.narrow(0, 0, tokens)};
-    moe_experts_cpu(p.hidden.narrow(0, 0, tokens), p.weights.narrow(0, 0, tokens), rows, p.w13, p.w2,
-                    p.out.narrow(0, 0, tokens), false);
-  } catch (const std::exception& e) {
-    p.out.narrow(0, 0, tokens).zero_();
-    std::lock_guard<std::mutex> lock(p.mu);
-    if (p.error.empty()) p.error = e.what();
-    throw;
-  }
-}
-
-std::string moe_experts_cpu_plan_error(int64_t plan) {
-  MoePlan& p = plan_at(plan);
-  std::lock_guard<std::mutex> lock(p.mu);
-  std::string e;
-  e.swap(p.error);
-  return e;
+  std::vector<at::Tensor> rows{p.rows.narrow(0, 0, tokens)};
+  moe_experts_cpu(p.hidden.narrow(0, 0, tokens), p.weights.narrow(0, 0, tokens), rows, p.w13, p.w2,
+                  p.out.narrow(0, 0, tokens), false);
 }
 
 }  // namespace sglk

@@ -56,7 +56,6 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
                              const at::Tensor& staging_rows, at::TensorList w13, at::TensorList w2,
                              const at::Tensor& staging_out);
 void moe_experts_cpu_run_plan(int64_t plan, int64_t tokens);
-std::string moe_experts_cpu_plan_error(int64_t plan);
 double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes);
 
 namespace {
@@ -116,7 +115,6 @@ TORCH_LIBRARY(sgl_kernel, m) {
       "moe_experts_cpu_plan(Tensor staging_hidden, Tensor staging_weights, Tensor staging_rows, Tensor[] w13, "
       "Tensor[] w2, Tensor staging_out) -> int");
   m.def("moe_experts_cpu_run_plan(int plan, int tokens) -> ()", &sglk::moe_experts_cpu_run_plan);
-  m.def("moe_experts_cpu_plan_error(int plan) -> str", &sglk::moe_experts_cpu_plan_error);
   m.def(
       "moe_experts_cpu_enqueue(Tensor hidden, Tensor topk_weights, Tensor cpu_rows, int plan, Tensor(b!) staging_hidden, "
       "Tensor(c!) staging_weights, Tensor(d!) staging_rows, Tensor(e!) staging_out, Tensor(a!) out) -> ()");

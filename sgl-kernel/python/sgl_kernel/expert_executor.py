@@ -216,7 +216,7 @@ class CpuBranchPlan:
 
         Raises:
             RuntimeError: ``tokens`` outside ``[0, max_tokens]``, or the executor's error (a
-                row outside the bank), after zeroing the output rows.
+                row outside the bank).
         """
         _ops.moe_experts_cpu_run_plan(self.handle, tokens)
 
@@ -237,7 +237,3 @@ class CpuBranchPlan:
         """
         _ops.moe_experts_cpu_enqueue(hidden, topk_weights, cpu_rows, self.handle, self.hidden, self.weights,
                                      self.rows, self.out, out)
-
-    def take_error(self) -> str:
-        """The first executor error since the last call ('' if none), and clear it."""
-        return _ops.moe_experts_cpu_plan_error(self.handle)
