@@ -9,7 +9,8 @@ for a hybrid model on the no-buffer strategy, with upstream's own functions wher
   state if the pool is full), a request row, the matched prefix's KV indices, a tree lock;
 - a prefill chunk: ``AnchorPlanner.admit`` / ``cut`` choose its length, KV slots are allocated
   (evicting KV if the pool is full), and ``checkpoint_kv_cache`` publishes it (a state copy);
-- decode steps, then ``release_kv_cache(checkpoint=True)`` (finish) or ``checkpoint=False``
+- decode steps (each followed by ``checkpoint_decode_anchors``, as the scheduler does), then
+  ``release_kv_cache(checkpoint=True)`` (finish) or ``checkpoint=False``
   (abort); flush resets the tree and the pools as ``/flush_cache`` does.
 
 State contents are not computed (no model): these tests are about which slots are held.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -35,6 +37,7 @@ from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToToke
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 # A toy vocabulary: 1 and 2 are one-token markers, "<B>" is the two-token marker 3, 4.
 VOCAB = 24
@@ -180,6 +183,10 @@ class CacheSim:
         self.pool.write((req.kv.req_pool_idx, slice(pos, pos + 1)), kv.to(torch.int32))
         req.kv.kv_committed_len = req.kv.kv_allocated_len = pos + 1
         req.output_ids.append(token)
+        # The scheduler's hook after a decode step (patch 0043): save the state at an anchor.
+        self.cache.checkpoint_decode_anchors(
+            SimpleNamespace(reqs=[req], spec_algorithm=SpeculativeAlgorithm.NONE)
+        )
         return True
 
     def finish(self, req: Req) -> int:

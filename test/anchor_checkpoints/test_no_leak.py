@@ -4,19 +4,21 @@ it was given: a hypothesis state machine against a plain reference model.
 Level: unit, on upstream's cache classes (``cache_sim.CacheSim``: ``AnchorRadixCache`` over the
 Rust tree core, tiny CPU pools, no model, no server). Rules admit requests whose prompts share
 prefixes with earlier ones (cut anywhere, inside a two-token marker too), run prefill chunks
-(ended at anchors by the planner), decode, finish, abort, flush, and evict under pressure (the
-pools are small, so allocations evict as well).
+(ended at anchors by the planner), decode (markers too: the state at an anchor in generated
+text is saved), finish, abort, flush, and evict under pressure (the pools are small, so
+allocations evict as well).
 
 The reference model is the set of token prefixes whose recurrent state the scheduler handed to
-the tree (every chunk end, every finished request's key). Invariants after every step:
+the tree (every chunk end, every decode anchor saved, every finished request's key). Invariants after every step:
 
 - state slots in use == states the tree holds + one per running request (no leak, no double
   free), and KV slots in use == tree KV + running requests' private KV;
 - every anchor tag names a state the tree holds;
 - a prefix match ends at 0 or on a saved prefix; with no eviction so far, on the longest saved
   prefix of the probe (the tree loses nothing it was given);
-- a restore counted as "from an anchor checkpoint" restores a prefix that was saved by a chunk
-  cut at an anchor; every cut is an anchor at least ``min_gap`` tokens after the chunk start.
+- a restore counted as "from an anchor checkpoint" restores a prefix that was saved at an anchor
+  (a chunk cut or a decode step); every cut is an anchor at least ``min_gap`` tokens after the
+  chunk start, every decode save an anchor at least ``min_gap`` tokens after the last save.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = []
         self.saved: set[tuple[int, ...]] = set()
         self.saved_at_anchors: set[tuple[int, ...]] = set()
+        self.saved_in_decode: set[tuple[int, ...]] = set()
 
     # ---- rules ----------------------------------------------------------------------------
 
@@ -84,6 +87,8 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         if req.anchor_restored:  # the state came from a chunk cut at an anchor, of this prefix
             event("restored from an anchor checkpoint")
             assert tuple(prompt[:restored]) in self.saved_at_anchors
+            if tuple(prompt[:restored]) in self.saved_in_decode:
+                event("restored from a decode anchor checkpoint")
         self._chunk_done(req, restored, budget)
 
     @precondition(lambda self: any(self.sim.prefilling(r) for r in self.sim.running))
@@ -109,10 +114,28 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         self.saved.add(tuple(req.origin_input_ids[:end]))
 
     @precondition(lambda self: any(not self.sim.prefilling(r) for r in self.sim.running))
-    @rule(data=st.data(), token=TEXT)
-    def decode(self, data, token):
+    @rule(data=st.data(), tokens=st.lists(
+        st.one_of(TEXT, st.sampled_from([OPEN, CLOSE, B_LT, B_GT])), min_size=1, max_size=8))
+    def decode(self, data, tokens):
         req = data.draw(st.sampled_from([r for r in self.sim.running if not self.sim.prefilling(r)]))
-        self.sim.decode(req, token)
+        for token in tokens:
+            before = req.kv.cache_protected_len
+            if not self.sim.decode(req, token):
+                return
+            fed = req.kv.kv_committed_len
+            ids = list(req.origin_input_ids) + list(req.output_ids)
+            if req.kv.cache_protected_len != before:  # a decode anchor was saved
+                event("decode anchor saved")
+                assert req.kv.cache_protected_len == fed and fed - before >= MIN_GAP
+                assert self.sim.planner.is_cut(req, fed)
+                assert fed in toy_scanner().scan(ids).tolist()
+                self.saved.add(tuple(ids[:fed]))
+                self.saved_at_anchors.add(tuple(ids[:fed]))
+                self.saved_in_decode.add(tuple(ids[:fed]))
+                self.prompts.append(ids)  # later prompts edit the generated text too
+            elif fed - before >= MIN_GAP and fed in toy_scanner().scan(ids[: fed + 1]).tolist():
+                # Only a full state pool (nothing free, nothing evictable) skips a due save.
+                assert self.sim.cache.anchor_stats.counters.skipped_decode > 0
 
     @precondition(lambda self: any(not self.sim.prefilling(r) for r in self.sim.running))
     @rule(data=st.data())
@@ -133,6 +156,7 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         self.sim.flush()
         self.saved.clear()
         self.saved_at_anchors.clear()
+        self.saved_in_decode.clear()
         self.sim.evicted_any = False
 
     @rule(tokens=st.integers(0, 40), states=st.integers(0, 3))

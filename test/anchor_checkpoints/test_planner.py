@@ -11,6 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from cache_sim import B_GT, B_LT, CLOSE, OPEN, VOCAB, toy_scanner
+from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
 from sglang.srt.mem_cache.anchor_checkpoints.planner import SPACING_DIVISOR, TAIL_TOKENS, AnchorPlanner
 
 SCANNER = toy_scanner()
@@ -118,3 +119,75 @@ def test_spacing_grows_with_the_distance_to_the_prompt_end():
     tail = [c for c in cuts if c > len(ids) - 1000]
     assert len(tail) >= 10
     assert max(b - a for a, b in zip(cuts, cuts[1:])) > 1000
+
+
+# ---- anchors in generated text (decode) ----------------------------------------------------
+
+
+def decoding(prompt, out, saved_at):
+    """A decoding request as the scheduler sees it after a step: ``out`` appended, the state of
+    ``prompt + out[:-1]`` live, the last state saved at ``saved_at``."""
+    return types.SimpleNamespace(
+        origin_input_ids=list(prompt), output_ids=list(out),
+        kv=types.SimpleNamespace(cache_protected_len=saved_at),
+    )
+
+
+def run_decode(p, prompt, out):
+    """Feed ``out`` one token per step as the scheduler does; returns the saved positions."""
+    saved, last = [], len(prompt)
+    for k in range(2, len(out) + 1):  # the prefill sampled out[0]; each step feeds one more
+        fed = len(prompt) + k - 1
+        if p.decode_anchor(decoding(prompt, out[:k], last), fed):
+            saved.append(fed)
+            last = fed
+    return saved
+
+
+def test_decode_saves_before_and_after_generated_markers():
+    prompt = text(30)
+    out = text(20) + [OPEN] + text(25) + [CLOSE] + [B_LT, B_GT] + text(30)
+    p = AnchorPlanner(SCANNER, min_gap=10)
+    # before <A> (50); after <A> is too close; before </A> (76); the anchor between </A> and
+    # the two-token <B> is too close; after <B> (79) too; nothing in the trailing text.
+    assert run_decode(p, prompt, out) == [50, 76]
+    assert run_decode(AnchorPlanner(SCANNER, min_gap=1), prompt, out) == [50, 51, 76, 77, 79]
+    # The state must be the one after exactly ``fed`` tokens: any other length is refused.
+    r = decoding(prompt, out[:21], len(prompt))
+    assert p.decode_anchor(r, 50) and not p.decode_anchor(r, 49) and not p.decode_anchor(r, 51)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=PROMPTS.filter(bool), out=PROMPTS, gap=st.integers(1, 12))
+def test_decode_saves_keep_a_state_within_min_gap_of_every_found_anchor(prompt, out, gap):
+    """Every decode save is an anchor of the whole sequence, at least ``min_gap`` after the last
+    save; every anchor a decode step can see (its marker ends at or before the newest token)
+    keeps a saved state (or the prompt end) fewer than ``min_gap`` tokens before it."""
+    out = [5] + out  # the token the prefill sampled
+    p = AnchorPlanner(SCANNER, min_gap=gap)
+    ids = prompt + out
+    saved = run_decode(p, prompt, out)
+    anchors = set(SCANNER.scan(ids).tolist())
+    states = [len(prompt)] + saved
+    assert all(b - a >= gap for a, b in zip(states, states[1:]))
+    assert set(saved) <= anchors
+    for fed in range(len(prompt) + 1, len(ids)):
+        visible = fed in SCANNER.scan(ids[: fed + 1]).tolist()
+        if visible:
+            assert SCANNER.may_anchor_between(ids[fed - 1], ids[fed])  # the O(1) filter is sound
+            assert fed - max(s for s in states if s <= fed) < gap, (fed, states)
+
+
+def test_decode_anchors_of_the_embedded_tokenizer(tok):
+    """The Qwen3 markers a model generates are single special tokens: decode finds the
+    before- and after-anchors of each, where a prompt scan finds them."""
+    scanner = AnchorScanner.from_tokenizer(tok)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Read a.txt"}], tokenize=True,
+                                     add_generation_prompt=True, return_dict=False)
+    gen = tok.encode("<think>\nI should read the file first.\n</think>\n\nReading it.\n<tool_call>\n"
+                     '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>',
+                     add_special_tokens=False)
+    ids = prompt + gen
+    expected = [a for a in scanner.scan(ids).tolist() if len(prompt) < a < len(ids)]
+    saved = run_decode(AnchorPlanner(scanner, min_gap=1), prompt, gen)
+    assert saved == expected and len(saved) >= 6, (saved, expected)

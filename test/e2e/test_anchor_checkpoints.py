@@ -17,6 +17,13 @@ output cleared; the Qwen3-style template dropping reasoning once a new user quer
 ``/v1/messages`` without the thinking blocks of earlier turns; a restore in the middle of a
 multi-token marker (``<tools>`` is three tokens in this tokenizer); a prompt ending exactly at
 an anchor.
+
+Anchors in generated text (decode): the first request GENERATES a reasoning block, content and
+a tool call (forced token by token with ``sglang.test.scripted_logits``; the model still runs on
+every token), and the second re-serializes that turn: its tool call re-formatted, or its content
+after the reasoning replaced. With anchors on, the second request restores from the state saved
+during decode, fewer than ``min_gap`` tokens before the edit; with anchors off, from the prompt
+end.
 """
 from __future__ import annotations
 
@@ -132,21 +139,62 @@ def _anthropic_case(url: str) -> tuple[list[int], list[int]]:
     return conv(first), conv(second)
 
 
-def _generate(url: str, ids: list[int], n: int) -> dict:
-    r = requests.post(url + "/generate", json={
+def _decode_cases(tok) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """(prompt, generated tokens, edited second prompt) per case: the first request generates
+    the whole script; the second prompt repeats it up to the edit."""
+    rng = random.Random(13)
+    prompt = tok.apply_chat_template(
+        [{"role": "system", "content": "You are a coding agent. " + _words(rng, 40)},
+         {"role": "user", "content": "Look at a.txt. " + _words(rng, 30)}],
+        tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    im_end, tool_call, think_end = (tok.convert_tokens_to_ids(t)
+                                    for t in ("<|im_end|>", "<tool_call>", "</think>"))
+    script = enc("<think>\n" + _words(rng, 70) + "\n</think>\n\n" + _words(rng, 70) + "\n<tool_call>\n"
+                 '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>') + [im_end]
+    turn_rest = enc("\n<|im_start|>user\n<tool_response>\n" + _words(rng, 40)
+                    + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    at_call = prompt + script[: script.index(tool_call)]
+    after_think = prompt + script[: script.index(think_end) + 1]
+    return {
+        # The harness re-serializes the tool call (arguments re-formatted, a default added).
+        "decode_tool_call_reserialized": (prompt, script, at_call + enc(
+            '<tool_call>\n{"name": "read", "arguments": {"path": "a.txt", "offset": 0}}\n'
+            "</tool_call>") + [im_end] + turn_rest),
+        # The harness keeps the reasoning but replaces the content after it.
+        "decode_content_after_thinking_replaced": (prompt, script, after_think + enc(
+            "\n\n" + _words(rng, 25) + "\n<tool_call>\n"
+            '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>') + [im_end] + turn_rest),
+    }
+
+
+def _generate(url: str, ids: list[int], n: int, script: list[int] | None = None) -> dict:
+    body = {
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
         "return_logprob": True, "logprob_start_len": -1,
-    }, timeout=600)
+    }
+    if script is not None:
+        from sglang.test.scripted_logits import ScriptedTokens
+
+        body["custom_logit_processor"] = ScriptedTokens.to_str()
+        body["sampling_params"]["custom_params"] = {"script": script}
+    r = requests.post(url + "/generate", json=body, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()["meta_info"]
 
 
 def _run_cases(url: str, cases: dict) -> dict[str, dict]:
     out = {}
-    for name, (first, second) in cases.items():
+    for name, case in cases.items():
         flush_cache(url)  # retried while the server is busy
-        _generate(url, first, 2)
+        if len(case) == 3:  # decode: the first request generates the script
+            first, script, second = case
+            meta = _generate(url, first, len(script), script)
+            assert [t[1] for t in meta["output_token_logprobs"]] == script
+        else:
+            first, second = case
+            _generate(url, first, 2)
         meta = _generate(url, second, NEW_TOKENS)
         out[name] = {
             "cached": meta["cached_tokens"],
@@ -159,7 +207,7 @@ def _run_cases(url: str, cases: dict) -> dict[str, dict]:
 def _anchor_metrics(url: str) -> dict[str, float]:
     text = requests.get(url + "/metrics", timeout=60).text
     got = {}
-    for name in ("saved", "restored", "evicted"):
+    for name in ("saved", "saved_decode", "restored", "evicted"):
         m = re.search(rf"^sglang:anchor_checkpoints_{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
         got[name] = float(m.group(1)) if m else None
     return got
@@ -173,10 +221,11 @@ def runs():
 
     model = ensure_model("qwen3_next")
     tok = AutoTokenizer.from_pretrained(model)
-    cases = {**_chat_cases(tok), **_token_cases(tok)}
+    cases = {**_chat_cases(tok), **_token_cases(tok), **_decode_cases(tok)}
     results, metrics = {}, None
     for mode, extra in (("off", ["--disable-anchor-checkpoints"]), ("on", [])):
-        srv = start_server(model, ["--dtype", "float32", "--enable-metrics", *extra],
+        srv = start_server(model, ["--dtype", "float32", "--enable-metrics",
+                                   "--enable-custom-logit-processor", *extra],
                            env={"SGLANG_MAMBA_CONV_DTYPE": "float32"})
         try:
             if "messages_drop_thinking_blocks" not in cases:
@@ -187,7 +236,7 @@ def runs():
         finally:
             srv.stop()
     for name in cases:  # shown with -s: what each edit cost with anchors off and on
-        print(f"{name}: prompt={len(cases[name][1])} edit_at={_lcp(*cases[name])} "
+        print(f"{name}: prompt={len(cases[name][-1])} edit_at={_lcp(*_pair(cases[name]))} "
               f"cached_off={results['off'][name]['cached']} cached_on={results['on'][name]['cached']}")
     print(f"anchor metrics: {metrics}")
     return types.SimpleNamespace(cases=cases, results=results, metrics=metrics, tok=tok)
@@ -202,11 +251,22 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _expected_restore(tok, first: list[int], second: list[int]) -> int:
+def _pair(case: tuple) -> tuple[list[int], list[int]]:
+    """(what the first request ran, the second prompt): for a decode case, the prompt and the
+    generated tokens but the last (never fed)."""
+    if len(case) == 3:
+        first, script, second = case
+        return first + script[:-1], second
+    return case
+
+
+def _expected_restore(tok, case: tuple) -> int:
     """Where the anchors-on server must restore the second prompt from: the deepest state it
-    stored while serving the first one (chunk ends, cut at anchors by the planner, and the
-    prompt end) that the second prompt still shares, short of its last token."""
+    stored while serving the first request (chunk ends, cut at anchors by the planner; the
+    prompt end; for a decode case, the decode steps that ended at an anchor and the request
+    end) that the second prompt still shares, short of its last token."""
     planner = AnchorPlanner(AnchorScanner.from_tokenizer(tok), MIN_GAP)
+    first = case[0]
     req = types.SimpleNamespace(full_untruncated_fill_ids=first, multimodal_inputs=None)
     states, pos = {len(first)}, 0
     while pos < len(first):
@@ -214,7 +274,17 @@ def _expected_restore(tok, first: list[int], second: list[int]) -> int:
         cut = planner.next_cut(req, pos, n)
         pos = cut if cut is not None else pos + n
         states.add(pos)
-    limit = min(_lcp(first, second), len(second) - 1)
+    if len(case) == 3:  # decode: step k feeds output k-1; the last step finishes the request
+        script, last = case[1], len(first)
+        for k in range(2, len(script)):
+            dreq = types.SimpleNamespace(origin_input_ids=first, output_ids=script[:k],
+                                         kv=types.SimpleNamespace(cache_protected_len=last))
+            if planner.decode_anchor(dreq, len(first) + k - 1):
+                last = len(first) + k - 1
+                states.add(last)
+        states.add(len(first) + len(script) - 1)
+    ran, second = _pair(case)
+    limit = min(_lcp(ran, second), len(second) - 1)
     return max([s for s in states if s <= limit], default=0)
 
 
@@ -222,6 +292,7 @@ CASE_NAMES = [
     "openclaw_trailing_message", "opencode_old_tool_output_cleared",
     "qwen3_template_drops_reasoning", "messages_drop_thinking_blocks",
     "restore_mid_multitoken_marker", "prompt_ends_at_anchor",
+    "decode_tool_call_reserialized", "decode_content_after_thinking_replaced",
 ]
 
 
@@ -235,13 +306,17 @@ def test_same_output_with_anchors_on_and_off(runs, case):
 
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_restores_from_the_anchor(runs, case):
-    first, second = runs.cases[case]
+    first, second = _pair(runs.cases[case])
     on, off = runs.results["on"][case], runs.results["off"][case]
-    expected = _expected_restore(runs.tok, first, second)
+    expected = _expected_restore(runs.tok, runs.cases[case])
     assert on["cached"] == expected, (on["cached"], expected)
     edit = _lcp(first, second)
-    # A restore loses fewer than the planner's gap at the restore point (module doc of planner.py).
+    # A restore loses fewer than the planner's gap at the restore point (module doc of
+    # planner.py); in generated text, the gap is min_gap.
     gap = max(MIN_GAP, (len(first) - on["cached"]) // SPACING_DIVISOR)
+    if case.startswith("decode_"):
+        gap = MIN_GAP
+        assert on["cached"] > len(runs.cases[case][0])  # inside the generated text
     assert edit - gap < on["cached"] <= edit, (edit, gap, on["cached"])
     if case == "prompt_ends_at_anchor":
         assert on["cached"] == off["cached"] == len(first)  # the prompt-end state, as upstream
@@ -253,6 +328,8 @@ def test_anchor_metrics(runs):
     m = runs.metrics
     assert m["saved"] and m["saved"] >= len(CASE_NAMES) - 1
     restored = sum(
-        runs.results["on"][c]["cached"] != len(runs.cases[c][0]) for c in CASE_NAMES
+        runs.results["on"][c]["cached"] != len(_pair(runs.cases[c])[0]) for c in CASE_NAMES
     )
     assert m["restored"] >= restored, (m, restored)
+    decode_cases = [c for c in CASE_NAMES if c.startswith("decode_")]
+    assert m["saved_decode"] and m["saved_decode"] >= len(decode_cases), m

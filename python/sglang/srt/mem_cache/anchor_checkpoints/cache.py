@@ -8,6 +8,12 @@ shared with running requests) when a chunk ends at an anchor; the tree node endi
 holds it, and upstream's mamba LRU recycles it, apart from the KV pool's eviction. This class
 only tags those slots, observes their eviction, optionally caps the states the tree holds, and
 owns the :class:`AnchorPlanner` that ``PrefillAdder`` asks where chunks end.
+
+Anchors in generated text: after each decode step the scheduler calls
+:meth:`AnchorRadixCache.checkpoint_decode_anchors` (patch 0043). Where the tokens a request has
+fed end at an anchor, the request's path is inserted up to there with upstream's own checkpoint
+(the same insert a prefill chunk end makes): the live state is copied into a fresh slot of the
+state pool, the KV written so far joins the tree, and the request's lock moves onto that node.
 """
 from __future__ import annotations
 
@@ -46,6 +52,10 @@ class AnchorRadixCache(UnifiedRadixCache):
         self.anchor_stats = AnchorStats(labels)
         self.anchor_planner = AnchorPlanner(scanner, min_gap, self.anchor_stats)
         self.anchor_max_states = max_states
+        from sglang.srt.runtime_context import get_serving
+
+        self._decode_anchors = not get_serving().strip_thinking_cache
+        self._in_decode_save = False
         logger.info(
             "Anchor checkpoints on: %d markers %s, min gap %d tokens, tree state cap %s",
             len(scanner.markers), list(scanner.markers), min_gap,
@@ -64,9 +74,57 @@ class AnchorRadixCache(UnifiedRadixCache):
         value = self.tree_core.get_component_device_value(req.last_node, ComponentType.MAMBA)
         if value is None:
             return
-        self.anchor_stats.on_saved(int(value.view(-1)[0]), up_to)
+        self.anchor_stats.on_saved(int(value.view(-1)[0]), up_to, decode=self._in_decode_save)
         if self.anchor_max_states > 0:
             self._enforce_state_cap()
+
+    def checkpoint_decode_anchors(self, batch) -> None:
+        """Save the recurrent state of each decoding request of ``batch`` whose fed tokens end at
+        an anchor (:meth:`AnchorPlanner.decode_anchor`). Called by the scheduler after a decode
+        step's output tokens are appended and finish states set, before the next step runs
+        (no-buffer hybrid caches run without the overlap scheduler, so the live state is
+        exactly the state after ``req.kv.kv_committed_len`` tokens).
+
+        Skipped: speculative decoding (a verify step commits several tokens), finished,
+        retracted, beam or multimodal requests, requests barred from the tree, and
+        ``--strip-thinking-cache`` (it frees the generated KV a decode anchor would keep). A save
+        is skipped, not forced, when no state slot is free or evictable.
+
+        Cost per saved anchor: one state copy (every linear layer's SSM and conv state), one
+        tree insert, and one host read of the slot index (a sync on GPU).
+        """
+        if not self._decode_anchors or not batch.spec_algorithm.is_none():
+            return
+        planner = self.anchor_planner
+        for req in batch.reqs:
+            if (
+                req.finished()
+                or req.is_retracted
+                or req.skip_radix_cache_insert
+                or req.beam_group is not None
+                or req.multimodal_inputs is not None
+                or not req.kv.holds_kv
+            ):
+                continue
+            fed = req.kv.kv_committed_len
+            if not planner.decode_anchor(req, fed):
+                continue
+            if not self._state_slot_obtainable():
+                self.anchor_stats.on_skipped()
+                continue
+            planner.mark(req, fed)
+            req.refresh_fill_ids()  # the insert reads fill ids; they lag output_ids in decode
+            self._in_decode_save = True
+            try:
+                self.checkpoint(req, up_to=fed)
+            finally:
+                self._in_decode_save = False
+
+    def _state_slot_obtainable(self) -> bool:
+        pool = getattr(self.req_to_token_pool, "mamba_ckpt_pool", None)
+        if pool is None:
+            pool = self.req_to_token_pool.mamba_allocator
+        return pool.available_size() > 0 or self.mamba_evictable_size() > 0
 
     def _enforce_state_cap(self) -> None:
         held = self.tree_core.mamba_evictable_size() + self.tree_core.mamba_protected_size()

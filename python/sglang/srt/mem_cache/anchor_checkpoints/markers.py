@@ -109,6 +109,12 @@ def token_bytes_table(tokenizer) -> list[bytes]:
     return [tokenizer.decode([i]).encode("utf-8") for i in range(size)]
 
 
+def _holds_any(table: Sequence[bytes], byte_values: set[int]) -> np.ndarray:
+    """Bool per entry of ``table``: does it contain any of ``byte_values``."""
+    others = bytes(b for b in range(256) if b not in byte_values)
+    return np.fromiter((bool(t.translate(None, others)) for t in table), dtype=bool, count=len(table))
+
+
 class AnchorScanner:
     """Finds anchor positions of a marker set in token sequences.
 
@@ -125,6 +131,11 @@ class AnchorScanner:
         # A marker of n bytes covers at most n tokens: the look-back that finds a marker
         # straddling the start of a scanned span.
         self.lookback: int = max((len(p) for p in pats), default=0)
+        # Per token id: do its bytes hold the first byte of some marker (a before-anchor may sit
+        # at its start) / the last byte of some marker (an after-anchor may sit at its end)?
+        # The cheap test decode runs on every generated token before it scans.
+        self._may_open = _holds_any(self.table, {p[0] for p in pats})
+        self._may_close = _holds_any(self.table, {p[-1] for p in pats})
 
     @classmethod
     def from_tokenizer(cls, tokenizer, markers: Optional[Sequence[str]] = None,
@@ -137,6 +148,15 @@ class AnchorScanner:
                 template = "\n".join(str(v) for v in template.values())
             markers = derive_markers(added, template)
         return cls(tuple(markers), tuple(token_bytes_table(tokenizer)))
+
+    def may_anchor_between(self, prev: int, cur: int) -> bool:
+        """Whether an anchor can lie at the boundary between tokens ``prev`` and ``cur`` (ids):
+        False means certainly not; True means :meth:`scan` must tell. O(1)."""
+        n = len(self.table)
+        return bool(
+            (0 <= cur < n and (self._may_open[cur] or self._may_close[cur]))
+            or (0 <= prev < n and self._may_close[prev])
+        )
 
     def scan(self, ids: Sequence[int], start: int = 0, end: Optional[int] = None) -> np.ndarray:
         """Sorted anchor positions ``p`` with ``start <= p <= end`` in ``ids``.

@@ -23,6 +23,17 @@ from the end of the prompt that saved it loses fewer than ``max(min_gap, d / (SP
 tokens, a small share of the ``d`` tokens after the edit that must be prefilled anyway.
 Anchors in the last ``TAIL_TOKENS`` tokens of a prompt are not cut: the prompt end is saved
 anyway.
+
+Decode: a model generates markers too (``</think>``, ``<tool_call>``), and a harness that
+re-serializes the turn (tool-call arguments re-formatted, content after the reasoning replaced)
+shares the prefix only up to such an anchor inside the generated text. No chunk can end there,
+so :meth:`AnchorPlanner.decode_anchor` is asked after every decode step whether the tokens fed so
+far end at an anchor; the cache then copies the request's live state into the tree
+(``AnchorRadixCache.checkpoint_decode_anchors``). The end of a generation is always at distance
+0 from the end, so the spacing there is ``min_gap``: an anchor is saved if it lies at least
+``min_gap`` tokens after the request's last saved state (the prompt end or the previous decode
+anchor), and every generated anchor keeps a saved state fewer than ``min_gap`` tokens before it,
+the same bound as near the end of a prompt.
 """
 from __future__ import annotations
 
@@ -100,14 +111,47 @@ class AnchorPlanner:
         at = self.next_cut(req, prefix_len, extend_len)
         if at is None:
             return extend_len
+        self.mark(req, at)
+        return at - prefix_len
+
+    def decode_anchor(self, req: Req, fed: int) -> bool:
+        """Whether the state of a decoding request after its first ``fed`` tokens is to be saved:
+        ``fed`` is an anchor of ``origin_input_ids + output_ids`` (the newest output token, not
+        yet fed, is read: a before-anchor is at its start) and lies at least ``min_gap`` tokens
+        after the request's last saved state (``req.kv.cache_protected_len``).
+
+        ``fed`` must equal ``len(origin_input_ids) + len(output_ids) - 1`` (a decode step's result
+        was just appended); otherwise False. A marker of several tokens whose before-anchor is
+        ``fed`` is found only when its last token is the newest one: earlier, its text is
+        incomplete, and later, the state has moved on (single-token markers are always found).
+        Cost: O(1) unless the boundary's tokens hold a marker's first or last byte; then one
+        scan of ``scanner.lookback`` tokens.
+        """
+        if fed - req.kv.cache_protected_len < self.min_gap:
+            return False
+        out, prompt = req.output_ids, req.origin_input_ids
+        if not out or fed != len(prompt) + len(out) - 1:
+            return False
+        prev = out[-2] if len(out) >= 2 else prompt[-1]
+        if not self.scanner.may_anchor_between(prev, out[-1]):
+            return False
+        lo = max(0, fed - self.scanner.lookback)
+        n_in = len(prompt)
+        window = list(out[lo - n_in:]) if lo >= n_in else list(prompt[lo:]) + list(out)
+        # scan() reads tokens up to ``end``: end one past ``fed`` to read the newest token.
+        found = self.scanner.scan(window, fed - lo, fed - lo + 1)
+        return bool(len(found)) and int(found[0]) == fed - lo
+
+    def mark(self, req: Req, at: int) -> None:
+        """Record that the state of ``req`` at ``at`` is saved for an anchor (see :meth:`is_cut`)."""
         cuts = getattr(req, "_anchor_cuts", None)
         if cuts is None:
             cuts = req._anchor_cuts = set()
         cuts.add(at)
-        return at - prefix_len
 
     def is_cut(self, req: Req, up_to: int) -> bool:
-        """Whether a chunk of ``req`` was ended at ``up_to`` for an anchor."""
+        """Whether a chunk of ``req`` was ended at ``up_to`` for an anchor, or its decode state at
+        ``up_to`` is being saved for one."""
         cuts = getattr(req, "_anchor_cuts", None)
         return cuts is not None and up_to in cuts
 

@@ -2,8 +2,8 @@
 counters SGLang exports with ``--enable-metrics`` (scheduler process, Prometheus).
 
 A checkpoint is identified by its state slot (an index into the mamba state pool) while the
-radix tree holds it: tagged when a chunk that ended at an anchor is inserted, untagged when the
-tree frees the slot (eviction) or the tree is flushed.
+radix tree holds it: tagged when a prefill chunk or decode step that ended at an anchor is
+inserted, untagged when the tree frees the slot (eviction) or the tree is flushed.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ class AnchorCounters:
     """Cumulative counts since start (tokens are prompt tokens)."""
 
     saved: int = 0
+    saved_decode: int = 0  # of ``saved``: states at anchors in generated text
+    skipped_decode: int = 0  # decode anchors not saved: no state slot free or evictable
     restored: int = 0
     evicted: int = 0
     reused_tokens: int = 0
@@ -41,15 +43,26 @@ class AnchorStats:
         """Anchor checkpoints the tree holds now."""
         return len(self.slots)
 
-    def on_saved(self, slot: int, position: int) -> None:
-        """A chunk ending at anchor ``position`` was inserted; the tree's state there is ``slot``."""
+    def on_saved(self, slot: int, position: int, *, decode: bool = False) -> None:
+        """The state at anchor ``position`` was inserted (a prefill chunk ended there, or with
+        ``decode`` a decode step did); the tree's state there is ``slot``."""
         if self.slots.get(slot) == position:
             return
         self.slots[slot] = position
         self.counters.saved += 1
+        if decode:
+            self.counters.saved_decode += 1
         if self._prom is not None:
             self._prom.saved.inc()
+            if decode:
+                self._prom.saved_decode.inc()
             self._prom.held.set(self.held)
+
+    def on_skipped(self) -> None:
+        """A decode anchor was not saved: no state slot free or evictable."""
+        self.counters.skipped_decode += 1
+        if self._prom is not None:
+            self._prom.skipped_decode.inc()
 
     def on_freed(self, slot: int) -> None:
         """The tree freed state ``slot`` (eviction)."""
@@ -115,7 +128,15 @@ class _PromSeries:
 
         self.saved = counter(
             "sglang:anchor_checkpoints_saved_total",
-            "Recurrent-state checkpoints stored at semantic anchors (prefill chunks ended at an anchor).",
+            "Recurrent-state checkpoints stored at semantic anchors (prefill chunk ends and decode steps at an anchor).",
+        )
+        self.saved_decode = counter(
+            "sglang:anchor_checkpoints_saved_decode_total",
+            "Of the saved anchor checkpoints, those at anchors in generated text (decode).",
+        )
+        self.skipped_decode = counter(
+            "sglang:anchor_checkpoints_skipped_decode_total",
+            "Anchors in generated text not saved because no state slot was free or evictable.",
         )
         self.restored = counter(
             "sglang:anchor_checkpoints_restored_total",
