@@ -63,7 +63,9 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
 
     chunked = get_schedule().chunked_prefill_size  # what the scheduler uses (init_chunked_prefill)
     if ctx.params.enable_mamba_extra_buffer:
-        why_not = "the extra_buffer mamba radix cache strategy"
+        why_not = ("the extra_buffer mamba radix cache strategy (it stores states on a fixed "
+                   "grid; --mamba-radix-cache-strategy no_buffer, with page size 1 and no "
+                   "speculative decoding, turns anchors on)")
     elif ctx.params.page_size != 1:
         why_not = f"page size {ctx.params.page_size}"
     elif chunked is None or chunked <= 0:
