@@ -13,7 +13,8 @@ the tree (every chunk end, every decode anchor saved, every finished request's k
 
 - state slots in use == states the tree holds + one per running request (no leak, no double
   free), and KV slots in use == tree KV + running requests' private KV;
-- every anchor tag names a state the tree holds;
+- every anchor tag names a state the tree holds; the admission counters (tokens reused and
+  recomputed) count each admitted request once, failed admissions not at all;
 - a prefix match ends at 0 or on a saved prefix; with no eviction so far, on the longest saved
   prefix of the probe (the tree loses nothing it was given);
 - a restore counted as "from an anchor checkpoint" restores a prefix that was saved at an anchor
@@ -62,6 +63,7 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         self.saved: set[tuple[int, ...]] = set()
         self.saved_at_anchors: set[tuple[int, ...]] = set()
         self.saved_in_decode: set[tuple[int, ...]] = set()
+        self.admitted_tokens = [0, 0]  # reused, recomputed over admitted requests
 
     # ---- rules ----------------------------------------------------------------------------
 
@@ -83,6 +85,8 @@ class AnchorCacheMachine(RuleBasedStateMachine):
             return
         self.prompts.append(prompt)
         restored = req.anchor_admitted_prefix
+        self.admitted_tokens[0] += restored  # counted once, when its first chunk ran
+        self.admitted_tokens[1] += len(prompt) - restored
         assert restored == 0 or tuple(prompt[:restored]) in self.saved
         if req.anchor_restored:  # the state came from a chunk cut at an anchor, of this prefix
             event("restored from an anchor checkpoint")
@@ -211,6 +215,8 @@ class AnchorCacheMachine(RuleBasedStateMachine):
             event("eviction")
         c = stats.counters
         assert c.saved - c.evicted >= stats.held  # flushes drop tags without counting
+        # Admission figures count each admitted request once (failed admissions not at all).
+        assert [c.reused_tokens, c.recomputed_tokens] == self.admitted_tokens
 
 
 AnchorCacheMachine.TestCase.settings = settings(

@@ -58,14 +58,15 @@ def test_multimodal_requests_are_not_cut():
     assert AnchorPlanner(SCANNER, min_gap=4).cut(r, 0, len(ids)) == len(ids)
 
 
-def test_admission_is_accounted_once():
-    seen = []
-    stats = types.SimpleNamespace(on_admission=lambda r, n: seen.append(n))
+def test_admission_retry_keeps_the_latest_figures():
+    """An admission can be retried (no memory, a changed match): the figures of the latest
+    attempt wait on the request; the cache counts them once its prefill runs."""
+    stats = types.SimpleNamespace(on_admission=lambda r, n: ("figures", n))
     p = AnchorPlanner(SCANNER, min_gap=4, stats=stats)
     r = req(text(30))
     p.admit(r, 3, 27)
-    p.admit(r, 3, 27, may_cut=False)  # a retry of the same admission
-    assert seen == [3]
+    p.admit(r, 5, 25, may_cut=False)  # retried with a longer match
+    assert r._anchor_admission == ("figures", 5)
 
 
 PROMPTS = st.lists(

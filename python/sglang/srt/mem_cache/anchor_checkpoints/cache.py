@@ -64,6 +64,14 @@ class AnchorRadixCache(UnifiedRadixCache):
 
     # ---- tagging ------------------------------------------------------------------------
 
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs) -> None:
+        # The first checkpoint after an admission is its prefill having run: count it once.
+        admission = getattr(req, "_anchor_admission", None)
+        if admission is not None:
+            req._anchor_admission = None
+            self.anchor_stats.count_admission(*admission)
+        super().checkpoint(req, up_to=up_to, **kwargs)
+
     def checkpoint_into_tree(self, req: Req, *, up_to: int, **kwargs) -> None:
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
         if req.finished() or not self.anchor_planner.is_cut(req, up_to):

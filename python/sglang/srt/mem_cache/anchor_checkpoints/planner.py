@@ -156,13 +156,10 @@ class AnchorPlanner:
         return cuts is not None and up_to in cuts
 
     def _on_admission(self, req: Req, prefix_len: int) -> None:
-        # Admission may be retried (no memory): account a request once per matched prefix.
-        key = (prefix_len, len(req.full_untruncated_fill_ids))
-        if getattr(req, "_anchor_admitted", None) == key:
-            return
-        req._anchor_admitted = key
+        # Admission may be retried (no memory, a changed match): the latest attempt's figures
+        # wait on the request until its prefill runs (AnchorRadixCache.checkpoint counts them).
         if self.stats is not None:
-            self.stats.on_admission(req, prefix_len)
+            req._anchor_admission = self.stats.on_admission(req, prefix_len)
 
 
 def anchor_planner_of(tree_cache) -> Optional[AnchorPlanner]:

@@ -78,8 +78,11 @@ class AnchorStats:
         if self._prom is not None:
             self._prom.held.set(0)
 
-    def on_admission(self, req: Req, prefix_len: int) -> None:
-        """A request is admitted with ``prefix_len`` tokens from the cache."""
+    def on_admission(self, req: Req, prefix_len: int) -> tuple[int, int, bool]:
+        """A request is being admitted with ``prefix_len`` tokens from the cache: returns
+        ``(reused, recomputed, restored_from_anchor)`` for :meth:`count_admission`, which the
+        cache calls once the request's prefill has run (an admission can be retried), and sets
+        ``req.anchor_restored``. Must run before the forward pass consumes the matched state."""
         total = len(req.full_untruncated_fill_ids)
         src = req.kv.mamba_cow_src_index
         # Reading the slot index is a host sync when the state pool is on a GPU: only when
@@ -91,15 +94,19 @@ class AnchorStats:
             and self.slots.get(int(src.view(-1)[0])) == prefix_len
         )
         req.anchor_restored = restored
+        return prefix_len, total - prefix_len, restored
+
+    def count_admission(self, reused: int, recomputed: int, restored: bool) -> None:
+        """Count one admitted request whose prefill ran (tokens are prompt tokens)."""
         c = self.counters
-        c.reused_tokens += prefix_len
-        c.recomputed_tokens += total - prefix_len
+        c.reused_tokens += reused
+        c.recomputed_tokens += recomputed
         if restored:
             c.restored += 1
-            c.anchor_reused_tokens += prefix_len
+            c.anchor_reused_tokens += reused
         if self._prom is not None:
-            self._prom.reused.observe(prefix_len)
-            self._prom.recomputed.observe(total - prefix_len)
+            self._prom.reused.observe(reused)
+            self._prom.recomputed.observe(recomputed)
             if restored:
                 self._prom.restored.inc()
 
