@@ -54,7 +54,13 @@ class AnchorRadixCache(UnifiedRadixCache):
         self.anchor_max_states = max_states
         from sglang.srt.runtime_context import get_serving
 
-        self._decode_anchors = not get_serving().strip_thinking_cache
+        # --strip-thinking-cache frees the generated KV a decode anchor would keep; ReplaySSM
+        # lets a decoding slot's SSM state lag the live one (flushed at prefill and finish only).
+        replay = getattr(self.req_to_token_pool.mamba_pool, "replayssm_write_pos", None) is not None
+        self._decode_anchors = not (get_serving().strip_thinking_cache or replay)
+        if not self._decode_anchors:
+            logger.info("Anchor checkpoints in generated text are off with %s.",
+                        "ReplaySSM" if replay else "--strip-thinking-cache")
         self._in_decode_save = False
         logger.info(
             "Anchor checkpoints on: %d markers %s, min gap %d tokens, tree state cap %s",
@@ -94,9 +100,11 @@ class AnchorRadixCache(UnifiedRadixCache):
         exactly the state after ``req.kv.kv_committed_len`` tokens).
 
         Skipped: speculative decoding (a verify step commits several tokens), finished,
-        retracted, beam or multimodal requests, requests barred from the tree, and
-        ``--strip-thinking-cache`` (it frees the generated KV a decode anchor would keep). A save
-        is skipped, not forced, when no state slot is free or evictable.
+        retracted, beam or multimodal requests, requests barred from the tree,
+        ``--strip-thinking-cache`` (it frees the generated KV a decode anchor would keep),
+        ReplaySSM (a decoding slot's state lags the live one), and decode requests of mixed
+        prefill+decode batches (``--enable-mixed-chunk``: the hook runs on decode batches). A
+        save is skipped, not forced, when no state slot is free even after evicting one.
 
         Cost per saved anchor: one state copy (every linear layer's SSM and conv state), one
         tree insert, and one host read of the slot index (a sync on GPU).
@@ -129,10 +137,18 @@ class AnchorRadixCache(UnifiedRadixCache):
                 self._in_decode_save = False
 
     def _state_slot_obtainable(self) -> bool:
-        pool = getattr(self.req_to_token_pool, "mamba_ckpt_pool", None)
-        if pool is None:
-            pool = self.req_to_token_pool.mamba_allocator
-        return pool.available_size() > 0 or self.mamba_evictable_size() > 0
+        """Whether the checkpoint's state-slot allocation will succeed (upstream asserts on
+        failure): a slot is free, or is after evicting the least recently used tree state."""
+        ckpt_pool = getattr(self.req_to_token_pool, "mamba_ckpt_pool", None)
+        if ckpt_pool is not None:
+            free = ckpt_pool.available_size
+        else:  # byte-coordinated allocators (unified memory) report what alloc can give
+            free = self.req_to_token_pool.mamba_allocator.schedulable_available_size
+        if free() > 0:
+            return True
+        if self.mamba_evictable_size() > 0:
+            self.evict(EvictParams(num_tokens=0, mamba_num=1))
+        return free() > 0
 
     def _enforce_state_cap(self) -> None:
         held = self.tree_core.mamba_evictable_size() + self.tree_core.mamba_protected_size()
