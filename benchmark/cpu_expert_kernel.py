@@ -15,8 +15,25 @@ per physical core; torch.set_num_threads is set to the same count):
   bytes of the step's distinct experts / wall time of the call;
 * torch: the same steps with torch's own CPU ops (bf16 ``F.linear`` per expert,
   SiLU-and-mul, weighted sum);
-* kt-kernel: only if ``import kt_kernel`` works (no adapter is written; it is
-  not installed here), else kt_ratio=nan;
+* kt: KTransformers' kt-kernel, when installed: its native BF16 MoE operator
+  (``kt_kernel_ext.moe``; --kt-backend auto: AMXBF16_MOE where the CPU has AMX,
+  else AVX2BF16_MOE, the fastest kt decode on the AVX-512 BF16 EPYC without AMX:
+  ahead of AMXBF16_MOE's AVX512-BF16 kernels, kt's LLAMAFILE BF16 and its
+  online-quantized AMXInt8/AMXInt4) on the same steps. kt runs on its own
+  WorkerPool while the calling thread spin-waits (``forward`` called directly,
+  no CPUInfer queue hop), so with one worker per core it has one busy thread
+  more than cores, which costs it much on a small machine. kt is therefore
+  measured at several pool sizes within the thread budget (--kt-threads,
+  default 1, N-1 and N for N = --threads), and kt's figure in each round is
+  its best pool size: "kt-kernel's best" on the same cores. Each pool size
+  is one kt operator with its own copy of the bank in kt's layout (memory:
+  one more bank per size). kt rounds its output to bf16; one step is checked
+  against ours and torch. It is
+  imported from sys.path or from --kt-path (default .cache/kt in the repo),
+  appended after our sgl_kernel is imported: kt-kernel's wheel also ships
+  top-level ``sgl_kernel``, ``deep_gemm``, ... and pins torch, so install it
+  there, not into the venv (``pip install --no-deps --target .cache/kt
+  kt-kernel``). Absent or failing to load: kt_ratio=nan, the reason printed;
 * prefill: --prefill-tokens tokens (512) over the first --prefill-experts
   experts (64), top-8: GFLOP/s (2 * 3 * H * I per (token, k)) of ours vs torch
   grouped per expert (index_select, two F.linear, index_add_).
@@ -27,14 +44,16 @@ figures are medians over rounds, ratios the median of same-round ratios. Last
 line (one line)::
 
     cpu_expert_kernel threads=N bw_gbps_b1=.. bw_gbps_b2=.. bw_gbps_b3=.. bw_gbps_b4=.. read_gbps=..
-        torch_gbps=.. read_ratio=.. torch_ratio=.. kt_ratio=nan bw_best_gbps_b1=.. read_best_gbps=..
+        torch_gbps=.. kt_gbps=.. read_ratio=.. torch_ratio=.. kt_ratio=.. bw_best_gbps_b1=.. read_best_gbps=..
         prefill_gflops=.. prefill_torch_gflops=.. prefill_ratio=.. load_avg=..
 
 Ratios at batch 1: read_ratio = ours / sequential read, torch_ratio = ours /
-torch (torch_gbps is torch at batch 1); *_best_* are the best rounds; load_avg
-is the 1-minute load average (start or end, the larger).
+torch, kt_ratio = ours / kt's best pool size in the same round (torch_gbps and
+kt_gbps are torch and kt's best at batch 1; nan without kt); *_best_* are the
+best rounds; load_avg is the 1-minute load average (start or end, the larger).
 
-    PYTHONPATH=sgl-kernel/python python benchmark/cpu_expert_kernel.py [--threads N] [--experts 256]
+    .venv/bin/python benchmark/cpu_expert_kernel.py [--threads N] [--experts 256]
+        [--kt-path DIR] [--kt-backend auto|AVX2BF16_MOE|AMXBF16_MOE] [--kt-threads 1,2]
 """
 
 from __future__ import annotations
@@ -42,7 +61,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +77,8 @@ from sgl_kernel.expert_executor import (
 )
 
 HIDDEN, INTER, TOPK = 2048, 768, 8
+# kt-kernel's pool workers spin for 50 ms after each job before they sleep
+KT_SETTLE_S = 0.07
 
 
 def filled_bank(shape: tuple[int, ...], block: torch.Tensor) -> torch.Tensor:
@@ -97,21 +120,46 @@ class Bench:
         dt = time.perf_counter() - t0
         return steps * B * TOPK * self.expert_bytes / dt / 1e9
 
+    def torch_step(self, x: torch.Tensor, tw: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], HIDDEN)
+        for t in range(x.shape[0]):
+            for k in range(TOPK):
+                e = int(rows[t, k])
+                gu = F.linear(x[t : t + 1], self.w13[e])
+                h = F.silu(gu[:, :INTER]) * gu[:, INTER:]
+                out[t] += tw[t, k] * F.linear(h, self.w2[e])[0].float()
+        return out
+
     def decode_torch(self, B: int, max_steps: int) -> float:
         steps = max(2, min(max_steps, self.E // (B * TOPK)))
         x, tw = self.x[:B], self.tw[:B]
         routes = [self.next_rows(B) for _ in range(steps)]
         t0 = time.perf_counter()
         for rows in routes:
-            out = torch.zeros(B, HIDDEN)
-            for t in range(B):
-                for k in range(TOPK):
-                    e = int(rows[t, k])
-                    gu = F.linear(x[t : t + 1], self.w13[e])
-                    h = F.silu(gu[:, :INTER]) * gu[:, INTER:]
-                    out[t] += tw[t, k] * F.linear(h, self.w2[e])[0].float()
+            self.torch_step(x, tw, rows)
         dt = time.perf_counter() - t0
         return steps * B * TOPK * self.expert_bytes / dt / 1e9
+
+    def decode_kt(self, kt: "KtMoE", B: int) -> float:
+        steps = max(2, self.E // (B * TOPK))
+        x, tw = self.x[:B].contiguous(), self.tw[:B].contiguous()
+        out = torch.empty(B, HIDDEN, dtype=torch.bfloat16)
+        routes = [self.next_rows(B).long() for _ in range(steps)]
+        t0 = time.perf_counter()
+        for rows in routes:
+            kt.forward(x, tw, rows, out)
+        dt = time.perf_counter() - t0
+        return steps * B * TOPK * self.expert_bytes / dt / 1e9
+
+    def decode_check(self, kt: "KtMoE", B: int) -> tuple[float, float, float]:
+        """One decode step through all three: max |kt - ours|, max |kt - torch|, max |torch|."""
+        x, tw, rows = self.x[:B].contiguous(), self.tw[:B].contiguous(), self.next_rows(B)
+        ours, kt_out = torch.empty(B, HIDDEN), torch.empty(B, HIDDEN, dtype=torch.bfloat16)
+        moe_experts_cpu(x, tw, [rows], [self.w13], [self.w2], ours)
+        kt.forward(x, tw, rows.long(), kt_out)
+        ref = self.torch_step(x, tw, rows)
+        kt_out = kt_out.float()
+        return (kt_out - ours).abs().max().item(), (kt_out - ref).abs().max().item(), ref.abs().max().item()
 
     def read(self) -> float:
         return expert_pool_read_bandwidth(self.w13, 1)
@@ -142,12 +190,71 @@ class Bench:
         return self.pflop / (time.perf_counter() - t0) / 1e9, out
 
 
-def kt_kernel_status() -> str:
+class KtMoE:
+    """kt-kernel's MoE operator over the bench's bank (kt copies it into its own layout)."""
+
+    def __init__(self, bench: Bench, backend: str, threads: int, max_tokens: int):
+        import kt_kernel
+
+        ext = kt_kernel.kt_kernel_ext
+        if backend == "auto":
+            backend = "AMXBF16_MOE" if cpu_has_amx() else "AVX2BF16_MOE"
+        cls = getattr(ext.moe, backend, None)
+        if cls is None:
+            raise RuntimeError(f"kt_kernel_ext.moe has no {backend} (cpu variant {kt_kernel.__cpu_variant__})")
+        E = bench.E
+        self.name = f"kt-kernel {getattr(kt_kernel, '__version__', '?')} {backend}"
+        self.variant = kt_kernel.__cpu_variant__
+        self.threads = threads
+        self.pool = ext.WorkerPool(threads)  # one subpool (NUMA node 0) of `threads` workers
+        # the config holds raw pointers to these: keep them alive with the operator
+        self.gpu_mask = torch.zeros(E, dtype=torch.bool)  # no expert on a GPU
+        self.expert_map = torch.arange(E, dtype=torch.int64)  # physical -> logical: identity
+        cfg = ext.moe.MOEConfig(E, TOPK, HIDDEN, INTER, self.gpu_mask.data_ptr())
+        cfg.layer_idx = 0
+        cfg.pool = self.pool
+        cfg.max_len = -(-max_tokens // 32) * 32  # kt sizes its buffers in 32-row steps
+        cfg.physical_to_logical_map = self.expert_map.data_ptr()
+        # per-expert pointers into our bank (numa 0): gate and up are the halves of w13
+        cfg.gate_projs = [[bench.w13[e, :INTER].data_ptr() for e in range(E)]]
+        cfg.up_projs = [[bench.w13[e, INTER:].data_ptr() for e in range(E)]]
+        cfg.down_projs = [[bench.w2[e].data_ptr() for e in range(E)]]
+        self.moe = cls(cfg)
+        self.moe.load_weights()  # copies the experts into kt's buffers; kt keeps no pointer into the bank
+        self.bsz = {}
+
+    def forward(self, x: torch.Tensor, tw: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """out (bf16) = the MoE of x (bf16) over rows (int64 expert ids) weighted by tw (fp32)."""
+        B = x.shape[0]
+        bsz = self.bsz.setdefault(B, torch.tensor([B], dtype=torch.int32))  # kt reads the token count by pointer
+        self.moe.forward(bsz.data_ptr(), TOPK, rows.data_ptr(), tw.data_ptr(), x.data_ptr(), out.data_ptr(), False)
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def load_kt(bench: Bench, args: argparse.Namespace, threads: list[int]) -> tuple[list[KtMoE], str]:
+    """kt-kernel's operators over the bank, one per pool size in ``threads``, or [] and why not."""
+    if args.kt_path:
+        if not os.path.isdir(args.kt_path):
+            return [], f"--kt-path {args.kt_path} is not a directory"
+        if args.kt_path not in sys.path:
+            sys.path.append(args.kt_path)  # after our sgl_kernel is imported: ours stays the one used
     try:
         import kt_kernel  # noqa: F401
-    except Exception as e:  # not installed here
-        return f"not importable ({type(e).__name__})"
-    return "importable, but no adapter is written in this benchmark"
+    except Exception as e:
+        return [], f"kt_kernel not importable ({type(e).__name__}: {e})"
+    try:
+        kts = [KtMoE(bench, args.kt_backend, t, args.batch_max) for t in threads]
+    except Exception as e:
+        return [], f"kt-kernel failed to load the experts ({type(e).__name__}: {e})"
+    return kts, (f"{kts[0].name}, cpu variant {kts[0].variant}, pool sizes {threads} (+ the calling "
+                 "thread, which spin-waits)")
 
 
 def main() -> None:
@@ -160,6 +267,14 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--prefill-experts", type=int, default=64)
     ap.add_argument("--prefill-rounds", type=int, default=2)
+    default_kt = Path(__file__).resolve().parents[1] / ".cache" / "kt"
+    ap.add_argument("--kt-path", default=str(default_kt) if default_kt.is_dir() else "",
+                    help="directory holding kt-kernel (pip install --no-deps --target DIR kt-kernel), appended "
+                    "to sys.path after our sgl_kernel is imported (default: .cache/kt in the repo, if present)")
+    ap.add_argument("--kt-backend", default="auto", help="kt_kernel_ext.moe class: auto (AMXBF16_MOE with AMX, "
+                    "else AVX2BF16_MOE), AVX2BF16_MOE, AMXBF16_MOE")
+    ap.add_argument("--kt-threads", default="", help="comma-separated kt-kernel pool sizes, its best taken "
+                    "per round (default: 1, N-1 and N for N = --threads)")
     args = ap.parse_args()
 
     t_start = time.perf_counter()
@@ -174,27 +289,44 @@ def main() -> None:
           f"{args.experts * bench.expert_bytes / 1e9:.2f} GB")
     batches = list(range(1, args.batch_max + 1))
     bench.prefill_setup(args.prefill_tokens, min(args.prefill_experts, args.experts))
+    t_kt = time.perf_counter()
+    kt_threads = ([int(t) for t in args.kt_threads.split(",")] if args.kt_threads
+                  else sorted({1, max(1, n - 1), n}))
+    kts, kt_status = load_kt(bench, args, kt_threads)
+    kt = kts[0] if kts else None
+    print(f"# kt-kernel: {kt_status}" + (f"; imported and loaded in {time.perf_counter() - t_kt:.1f} s" if kt else ""))
 
     # warm-up: pool threads, scratch, page mapping of the banks, oneDNN
     bench.read()
     bench.decode_ours(1)
     bench.decode_torch(1, 2)
     bench.prefill_ours()
+    for k in kts:
+        bench.decode_kt(k, 1)
+        time.sleep(KT_SETTLE_S)
+    if kt:
+        kt_check = bench.decode_check(kt, args.batch_max)
+        time.sleep(KT_SETTLE_S)
 
     res: dict[str, list[float]] = {}
 
-    def add(key: str, v: float) -> None:
+    def add(key: str, v: float, settle: float = 0.02) -> None:
         res.setdefault(key, []).append(v)
         # let idle threads (torch's OpenMP workers spin after each parallel
-        # region, the pool's for SGLANG_CPU_EXPERT_SPIN_US) go to sleep before
-        # the next measurement, so that neither side runs against the other
-        time.sleep(0.02)
+        # region, the pool's for SGLANG_CPU_EXPERT_SPIN_US, kt-kernel's for
+        # KT_SETTLE_S) go to sleep before the next measurement, so that no
+        # side runs against another
+        time.sleep(settle)
 
     for _ in range(args.rounds):  # interleaved, so that load changes hit all alike
         add("read", bench.read())
         for B in batches:
             add(f"ours_b{B}", bench.decode_ours(B))
             add(f"torch_b{B}", bench.decode_torch(B, args.torch_steps))
+            for k in kts:
+                add(f"kt{k.threads}_b{B}", bench.decode_kt(k, B), settle=KT_SETTLE_S)
+            if kts:  # kt's best pool size this round
+                res.setdefault(f"kt_b{B}", []).append(max(res[f"kt{k.threads}_b{B}"][-1] for k in kts))
     prefill_out = {}
     for _ in range(args.prefill_rounds):
         v, prefill_out["ours"] = bench.prefill_ours()
@@ -214,13 +346,22 @@ def main() -> None:
     print()
     print(f"decode, {args.rounds} rounds (GB/s = expert bytes read / wall time; ratios: median of same-round ratios)")
     print()
-    print("| measure | batch | GB/s median | GB/s best | vs read | ours vs torch |")
-    print("|---|---|---|---|---|---|")
-    print(f"| sequential read (C++ pool) | - | {read:.1f} | {best['read']:.1f} | 1.00 | |")
+    print("| measure | batch | GB/s median | GB/s best | vs read | ours vs torch | ours vs kt |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| sequential read (C++ pool) | - | {read:.1f} | {best['read']:.1f} | 1.00 | | |")
     for B in batches:
-        o, t = f"ours_b{B}", f"torch_b{B}"
-        print(f"| moe_experts_cpu | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} | {ratio(o, t):.2f} |")
-        print(f"| torch bf16 F.linear | {B} | {med[t]:.1f} | {best[t]:.1f} | {ratio(t, 'read'):.2f} | |")
+        o, t, k = f"ours_b{B}", f"torch_b{B}", f"kt_b{B}"
+        vs_kt = f"{ratio(o, k):.2f}" if kt else "n/a"
+        print(f"| moe_experts_cpu | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} | {ratio(o, t):.2f} "
+              f"| {vs_kt} |")
+        print(f"| torch bf16 F.linear | {B} | {med[t]:.1f} | {best[t]:.1f} | {ratio(t, 'read'):.2f} | | |")
+        for kk in kts:
+            kb = f"kt{kk.threads}_b{B}"
+            print(f"| {kk.name}, {kk.threads} threads | {B} | {med[kb]:.1f} | {best[kb]:.1f} "
+                  f"| {ratio(kb, 'read'):.2f} | | {ratio(o, kb):.2f} |")
+        if kts:
+            print(f"| kt-kernel, best pool size per round | {B} | {med[k]:.1f} | {best[k]:.1f} "
+                  f"| {ratio(k, 'read'):.2f} | | |")
     po, pt = med["prefill_ours"], med["prefill_torch"]
     print()
     print(f"| prefill T={args.prefill_tokens} x top-{TOPK} over {bench.prows.unique().numel()} experts "
@@ -230,7 +371,12 @@ def main() -> None:
     print(f"| torch bf16 F.linear grouped per expert | {pt:.1f} | {best['prefill_torch']:.1f} |")
     print(f"# prefill max |ours - torch| = {diff:.3g} (max |out| {scale:.3g}; torch also rounds gate/up and "
           "each expert's output to bf16)")
-    print(f"# kt-kernel: {kt_kernel_status()}")
+    if kt:
+        d_ours, d_torch, kt_scale = kt_check
+        print(f"# kt decode check (one step, batch {args.batch_max}): max |kt - ours| = {d_ours:.3g}, "
+              f"max |kt - torch| = {d_torch:.3g} (max |out| {kt_scale:.3g}; kt rounds its output to bf16)")
+    else:
+        print(f"# kt-kernel: {kt_status}, so kt_ratio=nan")
     load1 = os.getloadavg()[0]
     print(f"# load average at end {load1:.1f} on {os.cpu_count()} cpus; wall {time.perf_counter() - t_start:.0f} s. "
           "On a shared machine every figure moves with the load; torch's OpenMP barriers suffer most from it.")
@@ -239,9 +385,10 @@ def main() -> None:
     fields += [
         f"read_gbps={read:.2f}",
         f"torch_gbps={med['torch_b1']:.2f}",
+        f"kt_gbps={med['kt_b1']:.2f}" if kt else "kt_gbps=nan",
         f"read_ratio={ratio('ours_b1', 'read'):.3f}",
         f"torch_ratio={ratio('ours_b1', 'torch_b1'):.3f}",
-        "kt_ratio=nan",
+        f"kt_ratio={ratio('ours_b1', 'kt_b1'):.3f}" if kt else "kt_ratio=nan",
         f"bw_best_gbps_b1={best['ours_b1']:.2f}",
         f"read_best_gbps={best['read']:.2f}",
         f"prefill_gflops={po:.1f}",

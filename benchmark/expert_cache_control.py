@@ -1,6 +1,6 @@
 """Time one call of the per-layer expert-cache control op (FreeToken §4.1) on a realistic cache.
 
-    PYTHONPATH=sgl-kernel/python python benchmark/expert_cache_control.py [--steps 40] [--device cpu]
+    .venv/bin/python benchmark/expert_cache_control.py [--steps 40] [--device cpu]
 
 Setup: L = 48 MoE layers, E = 64 and 256 experts per layer, top-8, one slot pool of
 S = 25% of L*E shared by all layers, F = 8 and 16, policy qstar with fill_ratio 0.8. Routing has
