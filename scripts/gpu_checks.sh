@@ -3,7 +3,8 @@
 # Builds sgl-kernel in place with the machine's CUDA torch and toolkit, then runs the GPU tests:
 # the control op and bank copy against the CPU ops (CUDA-graph replay included) and the CPU
 # branch as copy + host function + copy, eager and captured in a CUDA graph; then the control
-# op's timing on the device. Prints everything; record the output in the issue note.
+# op's timing on the device; then the anchor-checkpoint e2e test on CUDA when sglang is set up.
+# Prints everything; record the output in the issue note.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,3 +18,11 @@ PY
 export PYTHONPATH=$PWD/sgl-kernel/python:$PWD/python:${PYTHONPATH:-}
 $PY -m pytest -q -ra test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_sources.py 2>&1 | tail -25
 $PY benchmark/expert_cache_control.py --device cuda 2>&1 | tail -8
+# Anchor checkpoints on CUDA (same code path as the CPU, CUDA kernels): the e2e test starts the
+# tiny hybrid model through scripts/serve.sh, which runs on CUDA when nvidia-smi sees a GPU.
+# Needs sglang importable by $PY (make setup on the GPU machine); skipped otherwise.
+if $PY -c "import sglang.srt.mem_cache.anchor_checkpoints" 2>/dev/null; then
+  timeout 420 $PY -m pytest -q -x -s test/e2e/test_anchor_checkpoints.py 2>&1 | grep -E "cached_off|anchor metrics|passed|failed|Error" | tail -15
+else
+  echo "anchor e2e skipped: sglang (patched) not importable by $PY; run make setup first"
+fi
