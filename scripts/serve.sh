@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 MODEL=${1:-.models/qwen3-next-tiny}; PORT=${2:-30000}; shift $(( $# > 2 ? 2 : $# ))
 PY=${PYTHON:-.venv/bin/python}
 ARGS=(--model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
-      --tool-call-parser qwen25 --reasoning-parser qwen3 --enable-cache-report)
+      --tool-call-parser qwen --reasoning-parser qwen3 --enable-cache-report)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   :
 else
@@ -15,12 +15,13 @@ else
   # Host memory is shared with everything else on a CPU machine: size the pools explicitly
   # (upstream's default takes ~70% of free RAM). 512K KV tokens fit two full-context requests;
   # 256 recurrent-state slots cover running requests plus cached prefixes of hybrid models.
+  # --sleep-on-idle: the idle scheduler waits on its sockets instead of spinning a core.
   ARGS+=(--device cpu --attention-backend torch_native --disable-overlap-schedule
-         --max-total-tokens 524288 --max-mamba-cache-size 256)
+         --max-total-tokens 524288 --max-mamba-cache-size 256 --sleep-on-idle)
 fi
 cat <<MSG
 Starting SGLang on http://127.0.0.1:$PORT  (model: $MODEL)
-Try, once it prints "The server is fired up":
+Try, once http://127.0.0.1:$PORT/health answers 200 (Ctrl-C stops the server):
   curl -s http://127.0.0.1:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model":"default","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}'
 MSG

@@ -129,4 +129,22 @@ def test_bad_request(small_ctx_server, path, body):
         pytest.fail(f"error body is not JSON: {text}")
     message = error_message(path, payload)
     assert isinstance(message, str) and message.strip(), payload
+    # It names what is wrong, without the server's internals (file paths, tracebacks, whole
+    # JSON meta-schemas).
+    assert 'File "' not in message and "Traceback" not in message, message
+    assert len(message) <= 600, f"{len(message)} characters: {message}"
     still_serves(srv)
+
+
+@pytest.mark.parametrize("path, body, names", [
+    (CHAT, '{"model": "default", "messages": [', "Malformed JSON in the request body at character"),
+    (MESSAGES, '{"model": "default", "messages": [', "Malformed JSON in the request body at character"),
+    (CHAT, chat_body(max_tokens="lots"), "max_tokens"),
+    (CHAT, chat_body(tools=[tool({"type": "object", "properties": {"a": {"type": "nonsense"}}})]),
+     "$.properties.a.type"),
+], ids=["chat-json", "messages-json", "chat-field", "chat-tool-schema-path"])
+def test_message_names_what_is_wrong(small_ctx_server, path, body, names):
+    kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
+    r = requests.post(small_ctx_server.url + path, timeout=TIMEOUT, **kw)
+    assert r.status_code == 400, r.text[:500]
+    assert names in error_message(path, r.json()), r.text[:500]

@@ -1,6 +1,6 @@
 """OpenAI- and Anthropic-compatible endpoints of the real server, over real HTTP.
 
-One pooled server of the default tiny model (flags of ``make serve``: qwen25 tool-call parser,
+One pooled server of the default tiny model (flags of ``make serve``: qwen tool-call parser,
 qwen3 reasoning parser, cache report) serves every test. The model has random weights: tests
 assert the shape of responses and the behaviour of parsers and constraints, never wording.
 Outputs that a random model would not produce by itself are forced with the server's own
