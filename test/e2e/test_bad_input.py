@@ -142,7 +142,10 @@ def test_bad_request(small_ctx_server, path, body):
     (CHAT, chat_body(max_tokens="lots"), "max_tokens"),
     (CHAT, chat_body(tools=[tool({"type": "object", "properties": {"a": {"type": "nonsense"}}})]),
      "$.properties.a.type"),
-], ids=["chat-json", "messages-json", "chat-field", "chat-tool-schema-path"])
+    (MESSAGES, anth_body(tools=[{"name": "f", "input_schema": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}]),
+     "tools.0.input_schema is not a valid JSON Schema at $.properties.a.type"),
+], ids=["chat-json", "messages-json", "chat-field", "chat-tool-schema-path", "messages-tool-schema-field"])
 def test_message_names_what_is_wrong(small_ctx_server, path, body, names):
     kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
     r = requests.post(small_ctx_server.url + path, timeout=TIMEOUT, **kw)
