@@ -63,7 +63,11 @@ def test_upstream_choice_kept(monkeypatch, hf_config, changes):
 def test_blackwell_keeps_upstream_choice(monkeypatch, hf_config):
     """On SM100 the model's default attention backend (trtllm_mha) needs pages of 64, chosen
     after this hook runs; no_buffer would fail its validation there."""
-    monkeypatch.setattr(overrides, "get_platform", lambda: SimpleNamespace(is_sm100=True, is_xpu=False))
+    import sglang.srt.runtime_context as runtime_context
+
+    sm100 = SimpleNamespace(is_sm100=True, is_xpu=False)
+    monkeypatch.setattr(runtime_context, "get_platform", lambda: sm100)  # read by the predicate
+    monkeypatch.setattr(overrides, "get_platform", lambda: sm100)
     assert resolve(monkeypatch, hf_config)["mamba_radix_cache_strategy"] == "extra_buffer"
 
 

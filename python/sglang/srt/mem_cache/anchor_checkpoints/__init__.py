@@ -25,7 +25,37 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AnchorScanner", "anchor_cache_factory", "derive_markers"]
+__all__ = ["AnchorScanner", "anchor_cache_factory", "derive_markers", "want_no_buffer_strategy"]
+
+
+def want_no_buffer_strategy(view) -> bool:
+    """Whether upstream's ``--mamba-radix-cache-strategy auto`` should resolve to ``no_buffer``
+    for anchor checkpoints (patch 0044, ``_mamba_radix_cache_resolution``), where it would pick
+    ``extra_buffer`` only to keep the overlap scheduler. No_buffer is the one strategy that
+    stores recurrent states at arbitrary positions; it is wanted when anchors are on and would
+    run: none of speculative decoding (needs the extra buffer), the hierarchical cache, chunked
+    prefill off, ``--skip-tokenizer-init`` (each turns anchors off in
+    :func:`anchor_cache_factory`), PD disaggregation, ReplaySSM, ``trtllm_mha`` or a Blackwell
+    (SM100) GPU, whose default attention backend for these models needs pages of 64 and is
+    chosen after the strategy.
+
+    Args:
+        view: upstream's resolving view of the server args (fields read by name).
+    """
+    from sglang.srt.runtime_context import get_platform
+
+    chunked = view.chunked_prefill_size
+    return (
+        not view.disable_anchor_checkpoints
+        and view.speculative_algorithm is None
+        and not view.enable_hierarchical_cache
+        and (chunked is None or chunked > 0)
+        and not view.skip_tokenizer_init
+        and view.disaggregation_mode == "null"
+        and not view.enable_linear_replayssm
+        and view.attention_backend != "trtllm_mha"
+        and not get_platform().is_sm100
+    )
 
 
 def _chat_template(server_args, tokenizer) -> Optional[str]:
