@@ -197,8 +197,8 @@ class KtMoE:
         import kt_kernel
 
         ext = kt_kernel.kt_kernel_ext
-        if backend == "auto":
-            backend = "AMXBF16_MOE" if cpu_has_amx() else "AVX2BF16_MOE"
+        if backend == "auto":  # kt's own CPU detection
+            backend = "AMXBF16_MOE" if kt_kernel.__cpu_variant__ == "amx" else "AVX2BF16_MOE"
         cls = getattr(ext.moe, backend, None)
         if cls is None:
             raise RuntimeError(f"kt_kernel_ext.moe has no {backend} (cpu variant {kt_kernel.__cpu_variant__})")
@@ -228,14 +228,6 @@ class KtMoE:
         B = x.shape[0]
         bsz = self.bsz.setdefault(B, torch.tensor([B], dtype=torch.int32))  # kt reads the token count by pointer
         self.moe.forward(bsz.data_ptr(), TOPK, rows.data_ptr(), tw.data_ptr(), x.data_ptr(), out.data_ptr(), False)
-
-
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
 
 
 def load_kt(bench: Bench, args: argparse.Namespace, threads: list[int]) -> tuple[list[KtMoE], str]:

@@ -9,9 +9,10 @@ AMX) that loop is most of a short prefill's time: about 0.9 s per layer call for
 the tiny 64-expert model in the server on a loaded machine; ``benchmark/cpu_moe_layer.py``
 puts one layer call at 184 ms for 1 token and 72 ms for 150 against 0.2 ms and 13 ms here,
 because each small matmul pays a fixed cost. Patch ``0032-cpu-moe-expert-executor`` sends such
-layers here instead: one ``sgl_kernel.moe_experts_cpu`` call over the layer's own ``w13_weight`` / ``w2_weight``, the
-same kernel (AVX-512 BF16 / AVX-512 / AVX2 / scalar, chosen at load) and worker pool that the
-expert-slot cache uses for its CPU misses (``layers/moe/expert_cache/``).
+layers here instead: one ``sgl_kernel.moe_experts_cpu`` call over the layer's own
+``w13_weight`` / ``w2_weight``, the same kernel (AVX-512 BF16 / AVX-512 / AVX2 / scalar, chosen
+at load) and worker pool that the expert-slot cache uses for its CPU misses
+(``layers/moe/expert_cache/``).
 
 Numerics: per (token, expert) the gate and up projections accumulate in fp32, ``silu(g) * u`` is
 rounded to bf16 once, the down projection accumulates in fp32 and the top-k sum is taken in k
