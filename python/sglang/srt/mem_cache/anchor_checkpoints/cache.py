@@ -113,7 +113,9 @@ class AnchorRadixCache(UnifiedRadixCache):
             return
         planner = self.anchor_planner
         for req in batch.reqs:
-            if (
+            # decode_anchor first: its min_gap test ends almost every step for a request.
+            fed = req.kv.kv_committed_len
+            if not planner.decode_anchor(req, fed) or (
                 req.finished()
                 or req.is_retracted
                 or req.skip_radix_cache_insert
@@ -121,9 +123,6 @@ class AnchorRadixCache(UnifiedRadixCache):
                 or req.multimodal_inputs is not None
                 or not req.kv.holds_kv
             ):
-                continue
-            fed = req.kv.kv_committed_len
-            if not planner.decode_anchor(req, fed):
                 continue
             if not self._state_slot_obtainable():
                 self.anchor_stats.on_skipped()
