@@ -1,0 +1,149 @@
+"""The GPU path's device side, run on the CPU through Triton's interpreter.
+
+On CUDA, ``ExpertSlotCache._forward_cuda`` adds two partial sums: the slot experts (hits and
+fills) through upstream's Triton ``fused_experts`` over the slot table
+(``ExpertSlotCache._slot_experts``), and the remaining misses from the host pool on the CPU
+executor. This script runs that same ``_slot_experts`` call, unchanged, with
+``TRITON_INTERPRET=1`` on CPU tensors, after the control step on random routing, and checks
+for every cache size and miss policy that
+
+* the slot partial sum equals a float64 reference over exactly the (token, k) entries that the
+  control step sent to slots (so CPU and padding entries, -1 in ``slot_ids``, add nothing);
+* slot partial + CPU-executor partial equals the float64 reference of the whole MoE layer;
+* ``hidden_states`` is left untouched (the layer's runner config says ``inplace=True``; the
+  cache must override it).
+
+Run by ``test_triton_slot_path.py`` in a fresh process, because ``TRITON_INTERPRET`` must be set
+before any Triton kernel is defined. Four stand-ins make upstream's CUDA-only plumbing run on
+the CPU, each what the CUDA path itself does or an equivalent of it:
+
+* ``moe_align_block_size``'s CUDA op is replaced by upstream's own Triton single-launch align
+  (``sglang.kernels.ops.moe.moe_align_small_numel``), which is the op CUDA runs for decode
+  batches (at most 64 routed entries) once the slot table has more than 63 slots, and which
+  implements the same "+1 offset" contract (a -1 id becomes a block with expert id -1, which
+  the fused kernel skips and writes as zeros);
+* ``outplace_fused_experts`` is called as its Python body, which is what upstream's custom-op
+  wrapper does itself for plain CUDA tensors in eager mode (``_call_directly_in_eager``);
+* the device name for the kernel-config lookup is fixed (none of these shapes has a tuned
+  config, so the default config is used either way);
+* the tensor-parallel group is stated as absent (one device; symmetric memory is off).
+
+Experts are float16 here, not the cache's bfloat16: the interpreter does not compute bfloat16
+(``tl.dot`` multiplies the raw bit patterns; triton-lang/triton#11584, and Triton's debugging
+guide). The test weights are exact in both formats.
+
+Prints ``triton_slot_path calls=N slot_entries=S cpu_entries=C max_err=E`` and exits 0, or
+raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1 (see the module docstring)")
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def _cpu_stand_ins():
+    """Install the four stand-ins named in the module docstring; returns the runner pieces."""
+    from sglang.kernels.ops.moe.moe_align_small_numel import moe_align_small_numel
+
+    align = importlib.import_module(
+        "sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size"
+    )
+
+    def triton_align(topk_ids, buckets, block_size, sorted_ids, expert_ids, post_pad, *_a, **_k):
+        moe_align_small_numel(topk_ids, buckets, block_size, sorted_ids, expert_ids, post_pad)
+
+    align.sgl_moe_align_block_size = triton_align
+
+    fused = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
+    fused.outplace_fused_experts = fused.outplace_fused_experts.__wrapped__
+    config = importlib.import_module(
+        "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config"
+    )
+    config.get_device_name = lambda *_a, **_k: "NVIDIA H200"
+
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", device="cpu"))
+    tp = get_parallel().override(tp_group=None)
+    tp.__enter__()
+    return tp
+
+
+@dataclass
+class Totals:
+    calls: int = 0
+    slot_entries: int = 0
+    cpu_entries: int = 0
+    max_err: float = 0.0
+
+
+def check_config(size: str, policy: str, totals: Totals) -> None:
+    import sgl_kernel  # noqa: F401  (torch.ops.sgl_kernel.*)
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from test_slot_cache import E, H, I, K, make_cache, reference, routing
+
+    cache = make_cache(size, policy)
+    # What FusedMoE gives a Qwen3-MoE layer (inplace=True is upstream's default).
+    runner_config = MoeRunnerConfig(
+        num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
+        top_k=K, params_dtype=torch.bfloat16, activation="silu", is_gated=True, inplace=True,
+    )
+    bf16_slots = cache.slots
+    for layer, x, w, ids in routing(steps=6, seed=3):
+        slot_ids, cpu_ids = cache.route(layer, ids.contiguous())
+        x16 = x.to(torch.float16)
+        x_before = x16.clone()
+        cache.slots = {n: bf16_slots[n].to(torch.float16) for n in ("w13", "w2")}
+        try:
+            slot_part = cache._slot_experts(x16, w, slot_ids, runner_config)
+        finally:
+            cache.slots = bf16_slots
+        assert torch.equal(x16, x_before), "the slot experts wrote into hidden_states"
+        assert slot_part.shape == (x.shape[0], H)
+        cpu_part = torch.empty(x.shape[0], H, dtype=torch.float32)
+        torch.ops.sgl_kernel.moe_experts_cpu(
+            x, w, [cpu_ids], [cache.host["w13"]], [cache.host["w2"]], cpu_part, False
+        )
+        on_slot = slot_ids >= 0
+        ref_slot = reference(cache, layer, x, w.masked_fill(~on_slot, 0.0), ids)
+        ref_all = reference(cache, layer, x, w, ids)
+        scale = max(1.0, float(ref_all.abs().max()))
+        err_slot = float((slot_part.double() - ref_slot).abs().max()) / scale
+        err_all = float((slot_part.double() + cpu_part.double() - ref_all).abs().max()) / scale
+        # fp16 experts and activations, fp32 accumulation, one fp16 rounding of the
+        # intermediate and of the output: a change of MoE kernel, not an error.
+        assert err_slot < 2e-2, f"{size}/{policy} layer {layer}: slot part off by {err_slot}"
+        assert err_all < 2e-2, f"{size}/{policy} layer {layer}: sum off by {err_all}"
+        totals.calls += 1
+        totals.slot_entries += int(on_slot.sum())
+        totals.cpu_entries += int((cpu_ids >= 0).sum())
+        totals.max_err = max(totals.max_err, err_slot, err_all)
+
+
+def main() -> None:
+    _tp = _cpu_stand_ins()
+    totals = Totals()
+    for size, policy in [("100%", "fill"), ("4", "qstar"), ("25%", "qstar"), ("25%", "cpu"),
+                         ("50%", "fill")]:
+        check_config(size, policy, totals)
+    assert totals.slot_entries > 0 and totals.cpu_entries > 0
+    print(
+        f"triton_slot_path calls={totals.calls} slot_entries={totals.slot_entries} "
+        f"cpu_entries={totals.cpu_entries} max_err={totals.max_err:.2e}"
+    )
+
+
+if __name__ == "__main__":
+    main()
