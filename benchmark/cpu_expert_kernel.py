@@ -30,7 +30,7 @@ per physical core; torch.set_num_threads is set to the same count):
   one more bank per size). kt rounds its output to bf16; one step is checked
   against ours and torch. It is
   imported from sys.path or from --kt-path (default .cache/kt in the repo),
-  appended after our sgl_kernel is imported: kt-kernel's wheel also ships
+  appended after our sgl_kernel_fork is imported: kt-kernel's wheel also ships
   top-level ``sgl_kernel``, ``deep_gemm``, ... and pins torch, so install it
   there, not into the venv (``pip install --no-deps --target .cache/kt
   kt-kernel``). Absent or failing to load: kt_ratio=nan, the reason printed;
@@ -68,8 +68,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
-from sgl_kernel.expert_executor import (
+import sgl_kernel_fork  # noqa: F401  (registers torch.ops.sgl_kernel)
+from sgl_kernel_fork.expert_executor import (
     expert_pool_info,
     expert_pool_read_bandwidth,
     expert_pool_set_threads,
@@ -236,7 +236,7 @@ def load_kt(bench: Bench, args: argparse.Namespace, threads: list[int]) -> tuple
         if not os.path.isdir(args.kt_path):
             return [], f"--kt-path {args.kt_path} is not a directory"
         if args.kt_path not in sys.path:
-            sys.path.append(args.kt_path)  # after our sgl_kernel is imported: ours stays the one used
+            sys.path.append(args.kt_path)  # after our sgl_kernel_fork is imported: ours stays the one used
     try:
         import kt_kernel  # noqa: F401
     except Exception as e:
@@ -262,7 +262,7 @@ def main() -> None:
     default_kt = Path(__file__).resolve().parents[1] / ".cache" / "kt"
     ap.add_argument("--kt-path", default=str(default_kt) if default_kt.is_dir() else "",
                     help="directory holding kt-kernel (pip install --no-deps --target DIR kt-kernel), appended "
-                    "to sys.path after our sgl_kernel is imported (default: .cache/kt in the repo, if present)")
+                    "to sys.path after our sgl_kernel_fork is imported (default: .cache/kt in the repo, if present)")
     ap.add_argument("--kt-backend", default="auto", help="kt_kernel_ext.moe class: auto (AMXBF16_MOE with AMX, "
                     "else AVX2BF16_MOE), AVX2BF16_MOE, AMXBF16_MOE")
     ap.add_argument("--kt-threads", default="", help="comma-separated kt-kernel pool sizes, its best taken "

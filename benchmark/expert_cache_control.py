@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-import sgl_kernel  # noqa: F401
+import sgl_kernel_fork  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location(
@@ -189,7 +189,7 @@ def main():
                           f"graph {r['graph']:.2f} us/call", flush=True)
             cuda_line = " " + " ".join(f"cuda_graph_us_b{T}={worst_graph[T]:.2f}" for T in batches)
         else:
-            print("# CUDA available but sgl_kernel has no CUDA kernel for the op: CUDA rows skipped")
+            print("# CUDA available but sgl_kernel_fork has no CUDA kernel for the op: CUDA rows skipped")
     if a.device in ("cpu", "both"):
         print("expert_cache_control "
               + " ".join(f"control_us_b{T}={worst_call[T]:.2f}" for T in batches) + " "

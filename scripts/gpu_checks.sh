@@ -14,8 +14,12 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.
 sys.exit(0 if torch.cuda.is_available() else 1)
 PY
 [ $? -eq 0 ] || { echo "no CUDA torch here"; exit 1; }
+# In place: sgl-kernel/python holds only sgl_kernel_fork (the CPU-only `sgl_kernel` alias lives in
+# sgl-kernel/alias and is not built with CUDA torch), so upstream's sgl_kernel is not shadowed.
 (cd sgl-kernel && SGL_KERNEL_BUILD_CUDA=1 $PY setup.py build_ext --inplace -j 16 2>&1 | tail -5)
 export PYTHONPATH=$PWD/sgl-kernel/python:$PWD/python:${PYTHONPATH:-}
+$PY -c "import sgl_kernel_fork, torch; print('sgl_kernel_fork', sgl_kernel_fork.__file__, 'cuda op', torch._C._dispatch_has_kernel_for_dispatch_key('sgl_kernel::expert_cache_control', 'CUDA'))"
+$PY -c "import sgl_kernel, sgl_kernel_fork; print('upstream sgl_kernel beside it:', sgl_kernel.__file__)" 2>&1 | tail -1
 $PY -m pytest -q -ra test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_sources.py 2>&1 | tail -25
 $PY benchmark/expert_cache_control.py --device cuda 2>&1 | tail -8
 # Anchor checkpoints on CUDA (same code path as the CPU, CUDA kernels): the e2e test starts the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent setup: .venv/ with pinned upstream SGLang, our patch series and modules applied,
-# and our sgl-kernel CPU ops built when no real sgl-kernel CPU build is present.
+# and our operator package (sgl-kernel/) built and installed.
 # Run through `make setup`. Re-running does only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,26 +57,24 @@ $PY scripts/patch_queue.py apply --site-packages "$SITE"
 # Content hash of our kernel sources: a change rebuilds the installed ops.
 kernel_hash=$(find sgl-kernel -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | sort | xargs cat | sha256sum | cut -c1-16)
 
-# 4. sgl-kernel: our CPU ops unless a real sgl-kernel CPU build is present. On CUDA machines
-#    upstream's own sglang-kernel owns the `sgl_kernel` module: our sources (CUDA included) are
-#    compiled in place to prove they build, and nothing is installed over it.
-if has_cuda; then
-  echo "== compiling sgl-kernel/ in place (CUDA machine; upstream sglang-kernel stays installed)"
-  (cd sgl-kernel && MAX_JOBS=${MAX_JOBS:-8} "$PY" setup.py -q build_ext --inplace)
-  echo "== setup done: $PY"
-  exit 0
-fi
+# 4. sgl-kernel/: the fork's operator package `sgl_kernel_fork` (CPU ops; on a CUDA machine also
+#    its CUDA sources, compiled with nvcc). On a CPU-only machine the install adds the alias
+#    `sgl_kernel`, the name upstream imports for its CPU ops; on a CUDA machine upstream's
+#    sglang-kernel keeps that name and both packages load side by side (sgl-kernel/setup.py).
 if $PY - <<'PYEOF'
 import sys
 try:
-    import sgl_kernel, torch  # noqa: F401
-    ok = hasattr(torch.ops.sgl_kernel, "fused_gdn_gating_cpu")
+    import torch, sgl_kernel_fork  # noqa: F401
+    ok = hasattr(torch.ops.sgl_kernel, "expert_cache_control")
+    if ok and torch.version.cuda is None:
+        import sgl_kernel
+        ok = sgl_kernel.ops is sgl_kernel_fork.ops  # the alias, not some other sgl_kernel
 except Exception:
     ok = False
 sys.exit(0 if ok else 1)
 PYEOF
 then
-  if [ -f "$VENV/.sgl-kernel-stamp" ] && [ "$(cat "$VENV/.sgl-kernel-stamp")" != "$kernel_hash" ]; then
+  if [ "$(cat "$VENV/.sgl-kernel-stamp" 2>/dev/null)" != "$kernel_hash" ]; then
     rebuild=1
   else
     rebuild=0
@@ -85,8 +83,13 @@ else
   rebuild=1
 fi
 if [ "$rebuild" = 1 ]; then
-  echo "== building sgl-kernel/ (our CPU ops$(has_cuda && echo ' + CUDA sources'))"
-  MAX_JOBS=${MAX_JOBS:-2} $PIP install --no-build-isolation --no-deps ./sgl-kernel
+  if has_cuda; then
+    echo "== building sgl-kernel/ (sgl_kernel_fork: CPU ops + CUDA sources; upstream's sglang-kernel stays sgl_kernel)"
+    MAX_JOBS=${MAX_JOBS:-8} $PIP install --no-build-isolation --no-deps ./sgl-kernel
+  else
+    echo "== building sgl-kernel/ (sgl_kernel_fork + its sgl_kernel alias: CPU ops)"
+    MAX_JOBS=${MAX_JOBS:-2} $PIP install --no-build-isolation --no-deps ./sgl-kernel
+  fi
   echo "$kernel_hash" > "$VENV/.sgl-kernel-stamp"
 fi
 echo "== setup done: $PY"

@@ -1,17 +1,25 @@
-"""Build of the fork's ``sgl_kernel`` package: CPU operators for upstream sglang.
+"""Build of the fork's operator package ``sgl_kernel_fork`` (and, on CPU-only machines, its
+``sgl_kernel`` alias for upstream sglang).
 
 Install (torch must already be installed; never let pip fetch one)::
 
     MAX_JOBS=1 pip install --no-build-isolation ./sgl-kernel
 
+Packages:
+
+* ``sgl_kernel_fork`` (``python/sgl_kernel_fork``, always): what this fork's modules import.
+* ``sgl_kernel`` (``alias/sgl_kernel``), only when torch has no CUDA build, or when
+  SGL_KERNEL_FORK_ALIAS=1 forces it (=0 drops it): the name upstream sglang imports for its CPU
+  ops. On a CUDA machine upstream's ``sglang-kernel`` wheel owns that name.
+
 Extensions:
 
-* ``sgl_kernel._C`` (always): the C++ CPU operators in ``csrc/cpu``. Compiled
+* ``sgl_kernel_fork._C`` (always): the C++ CPU operators in ``csrc/cpu``. Compiled
   for the baseline ISA of the toolchain (no ``-march``); the SIMD kernels in
   ``csrc/cpu/isa`` are compiled once per ISA level (scalar / AVX2 / AVX-512)
   through target pragmas and chosen at run time, so one binary runs on any
   x86-64 and uses AVX-512 where present.
-* ``sgl_kernel._C_cuda`` (only when ``csrc/cuda/*.cu`` exist, torch was built
+* ``sgl_kernel_fork._C_cuda`` (only when ``csrc/cuda/*.cu`` exist, torch was built
   with CUDA and a CUDA toolkit is found, or SGL_KERNEL_BUILD_CUDA=1 forces
   it): the CUDA sources, compiled with nvcc. SGL_KERNEL_BUILD_CUDA=0 skips it.
 """
@@ -46,7 +54,7 @@ cxx_flags = [
 
 ext_modules = [
     CppExtension(
-        name="sgl_kernel._C",
+        name="sgl_kernel_fork._C",
         sources=cpu_sources,
         include_dirs=[os.path.join(ROOT, "csrc", "cpu")],
         extra_compile_args={"cxx": cxx_flags},
@@ -87,7 +95,7 @@ if want_cuda(cuda_sources):
     cuda_sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
     ext_modules.append(
         CUDAExtension(
-            name="sgl_kernel._C_cuda",
+            name="sgl_kernel_fork._C_cuda",
             sources=cuda_sources,
             include_dirs=[os.path.join(ROOT, "csrc", "cuda")],
             extra_compile_args={
@@ -97,12 +105,26 @@ if want_cuda(cuda_sources):
         )
     )
 
+def want_alias():
+    flag = os.environ.get("SGL_KERNEL_FORK_ALIAS", "auto").lower()
+    if flag in ("0", "false", "no", "off"):
+        return False
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    return torch.version.cuda is None
+
+
+package_dir = {"sgl_kernel_fork": "python/sgl_kernel_fork"}
+if want_alias():
+    package_dir["sgl_kernel"] = "alias/sgl_kernel"
+
 setup(
     name="sgl-kernel-fork",
     version="0.1.0",
-    description="CPU operators (sgl_kernel namespace) for upstream sglang on CPU-only machines",
-    package_dir={"": "python"},
-    packages=["sgl_kernel"],
+    description="The fork's operators (torch.ops.sgl_kernel namespace): expert-slot cache, CPU "
+    "expert executor, and the CPU ops upstream sglang needs on CPU-only machines",
+    package_dir=package_dir,
+    packages=list(package_dir),
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

@@ -1,6 +1,6 @@
 """CUDA expert-cache ops against the CPU ops (same semantics), including CUDA-graph replay.
 
-Skipped without a GPU or without the CUDA kernels (``sgl_kernel._C_cuda``, built by setup.py
+Skipped without a GPU or without the CUDA kernels (``sgl_kernel_fork._C_cuda``, built by setup.py
 when torch is a CUDA build and a toolkit is found).
 """
 
@@ -16,7 +16,7 @@ HAS_CUDA_OP = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_di
     "sgl_kernel::expert_cache_control", "CUDA"
 )
 pytestmark = pytest.mark.skipif(
-    not HAS_CUDA_OP, reason="needs a GPU and sgl_kernel built with CUDA (torch.cuda unavailable here)"
+    not HAS_CUDA_OP, reason="needs a GPU and sgl_kernel_fork built with CUDA (torch.cuda unavailable here)"
 )
 
 
@@ -181,7 +181,7 @@ def _branch_problem(T, K=8, H=128, I=64, N=48, seed=0):
 
 
 def test_cpu_branch_enqueue_matches_the_executor():
-    from sgl_kernel.expert_executor import CpuBranchPlan, moe_experts_cpu
+    from sgl_kernel_fork.expert_executor import CpuBranchPlan, moe_experts_cpu
 
     x, tw, rows, w13, w2 = _branch_problem(5)
     plan = CpuBranchPlan(16, 8, w13, w2)
@@ -195,7 +195,7 @@ def test_cpu_branch_enqueue_matches_the_executor():
 
 def test_cpu_branch_is_captured_in_a_cuda_graph_and_replays_new_inputs():
     """Fork to a side stream, enqueue, join: captured once, replayed on new routing."""
-    from sgl_kernel.expert_executor import CpuBranchPlan, moe_experts_cpu
+    from sgl_kernel_fork.expert_executor import CpuBranchPlan, moe_experts_cpu
 
     x, tw, rows, w13, w2 = _branch_problem(4, seed=1)
     plan = CpuBranchPlan(8, 8, w13, w2)

@@ -90,7 +90,7 @@ class Totals:
 
 
 def check_config(size: str, policy: str, totals: Totals) -> None:
-    import sgl_kernel  # noqa: F401  (torch.ops.sgl_kernel.*)
+    import sgl_kernel_fork  # noqa: F401  (torch.ops.sgl_kernel.*)
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from test_slot_cache import E, H, I, K, make_cache, reference, routing
 

@@ -1,8 +1,10 @@
 """Shared fixtures of the sgl_kernel CPU-op tests.
 
-The tests need the fork's ``sgl_kernel`` built and installed
-(``pip install --no-build-isolation ./sgl-kernel``); if it cannot be imported
-the whole folder fails (no silent skip).
+The tests need the fork's operator package built and installed
+(``pip install --no-build-isolation ./sgl-kernel``, done by ``make setup``): on a
+CPU-only machine that is ``sgl_kernel_fork`` plus its ``sgl_kernel`` alias, the
+name upstream sglang imports and these tests use. If it cannot be imported the
+whole folder fails (no silent skip).
 
 The references live in ``sglk_refs.py`` (transformers' Qwen3-Next torch code)
 or in the tests themselves (plain Python loops).

@@ -46,6 +46,29 @@ def test_upstream_imports():
         assert callable(getattr(sgl_kernel, name)), name
 
 
+def test_sgl_kernel_is_the_fork_alias_on_cpu():
+    """On a CPU-only machine ``sgl_kernel`` is the alias of ``sgl_kernel_fork``: the same module
+    objects, so upstream's ``from sgl_kernel.mamba import ...`` reaches our ops."""
+    import sgl_kernel_fork
+
+    assert torch.version.cuda is None  # this folder's tests are CPU-only
+    for name in ("expert_executor", "mamba", "ops", "speculative"):
+        assert importlib.import_module(f"sgl_kernel.{name}") is getattr(sgl_kernel_fork, name)
+    assert sgl_kernel.__version__ == sgl_kernel_fork.__version__
+    assert set(sgl_kernel.__all__) == set(sgl_kernel_fork.__all__)
+    assert all(getattr(sgl_kernel, n) is getattr(sgl_kernel_fork, n) for n in sgl_kernel.__all__)
+
+
+def test_fork_ops_are_library_fragments():
+    """Every definition is a TORCH_LIBRARY_FRAGMENT, so another library in the same process
+    (upstream's sglang-kernel on a CUDA machine) may even own the namespace with its own
+    TORCH_LIBRARY: torch refuses a second owner, never a fragment."""
+    lib = torch.library.Library("sgl_kernel", "DEF")  # raises if our ops took ownership
+    lib.define("fork_fragment_probe(Tensor x) -> Tensor")
+    assert hasattr(torch.ops.sgl_kernel, "fork_fragment_probe")
+    assert hasattr(torch.ops.sgl_kernel, "expert_cache_control")
+
+
 def test_no_amx_backend_marker():
     # upstream's _is_intel_amx_backend_available() keys on this op: it must stay absent
     assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")

@@ -1,4 +1,4 @@
-"""CPU expert executor (``sgl_kernel.expert_executor``) vs a float64 torch reference.
+"""CPU expert executor (``sgl_kernel_fork.expert_executor``) vs a float64 torch reference.
 
 The reference is written here from the formula (not from the op): per (t, k),
 ``g, u = w13[:I] @ x, w13[I:] @ x`` in float64 on the bf16 inputs,
@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from sgl_kernel.expert_executor import (
+from sgl_kernel_fork.expert_executor import (
     expert_pool_info,
     expert_pool_read_bandwidth,
     expert_pool_set_threads,
@@ -274,7 +274,7 @@ def test_pool_info_and_read_bandwidth(threads_restored):
 
 # ---- fixed-address plans (the CUDA stream branch's CPU side; CpuBranchPlan) -------------------
 
-from sgl_kernel.expert_executor import CpuBranchPlan  # noqa: E402
+from sgl_kernel_fork.expert_executor import CpuBranchPlan  # noqa: E402
 
 
 def test_plan_run_is_bit_identical_to_a_direct_call():

@@ -3,7 +3,7 @@
 // Schemas keep upstream sgl-kernel's CPU names, argument names and order where
 // upstream calls them (so keyword calls from sglang resolve); extensions are
 // trailing arguments with defaults. The Python docs of every op are in
-// python/sgl_kernel/ops.py.
+// python/sgl_kernel_fork/ops.py.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -64,7 +64,9 @@ std::string set_cpu_isa(std::string name) { return select_isa(name); }
 }  // namespace
 }  // namespace sglk
 
-TORCH_LIBRARY(sgl_kernel, m) {
+// A fragment, not TORCH_LIBRARY: on a CUDA machine upstream's sglang-kernel registers its own
+// ops in the same namespace, in the same process.
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   // gated delta net
   m.def("fused_gdn_gating_cpu(Tensor A_log, Tensor a, Tensor b, Tensor dt_bias) -> (Tensor, Tensor)");
   m.def(
@@ -99,7 +101,7 @@ TORCH_LIBRARY(sgl_kernel, m) {
   // sampling
   m.def("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor");
 
-  // CPU expert executor (python/sgl_kernel/expert_executor.py)
+  // CPU expert executor (python/sgl_kernel_fork/expert_executor.py)
   m.def(
       "moe_experts_cpu(Tensor hidden, Tensor topk_weights, Tensor[] expert_rows, Tensor[] w13, Tensor[] w2, "
       "Tensor(a!) out, bool accumulate) -> ()");
@@ -141,8 +143,8 @@ TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
   m.impl("moe_experts_cpu_plan", &sglk::moe_experts_cpu_plan);
 }
 
-// The extension is imported as the Python module sgl_kernel._C; importing it
-// runs the static TORCH_LIBRARY registration above.
-static struct PyModuleDef sglk_module = {PyModuleDef_HEAD_INIT, "_C", "sgl_kernel CPU operators (torch.ops.sgl_kernel)",
+// The extension is imported as the Python module sgl_kernel_fork._C; importing it
+// runs the static registrations above.
+static struct PyModuleDef sglk_module = {PyModuleDef_HEAD_INIT, "_C", "sgl_kernel_fork CPU operators (torch.ops.sgl_kernel)",
                                          -1, nullptr};
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&sglk_module); }

@@ -1,4 +1,4 @@
-// Python module object of sgl_kernel._C_cuda: importing it runs the static
+// Python module object of sgl_kernel_fork._C_cuda: importing it runs the static
 // TORCH_LIBRARY_IMPL(sgl_kernel, CUDA, ...) registrations of the files beside this one.
 // Kept in its own file so each op's binding file only registers its ops.
 #include <Python.h>

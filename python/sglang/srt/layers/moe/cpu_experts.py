@@ -37,7 +37,7 @@ ENV_BACKEND = "SGLANG_CPU_MOE_BACKEND"
 def _executor_op():
     """``torch.ops.sgl_kernel.moe_experts_cpu`` when this build of sgl_kernel has it, else None."""
     try:
-        import sgl_kernel  # noqa: F401  (registers the ops)
+        import sgl_kernel_fork  # noqa: F401  (registers the ops)
     except ImportError:
         return None
     ops = torch.ops.sgl_kernel
@@ -53,7 +53,7 @@ def _layer_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
     if os.environ.get(ENV_BACKEND, "auto").lower() == "native":
         return f"{ENV_BACKEND}=native"
     if _executor_op() is None:
-        return "sgl_kernel has no moe_experts_cpu op"
+        return "sgl_kernel_fork has no moe_experts_cpu op"
     w13 = getattr(layer, "w13_weight", None)
     w2 = getattr(layer, "w2_weight", None)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):

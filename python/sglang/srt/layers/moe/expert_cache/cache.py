@@ -75,7 +75,7 @@ def stream_branch_tokens() -> int:
 
 
 def _ops():
-    import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel.*)
+    import sgl_kernel_fork  # noqa: F401  (registers torch.ops.sgl_kernel.*)
 
     return torch.ops.sgl_kernel
 
@@ -475,7 +475,7 @@ class ExpertSlotCache:
     def _cpu_branch(self):
         """(plan, side stream) of the stream CPU branch, made on first use."""
         if self._branch is None:
-            from sgl_kernel.expert_executor import CpuBranchPlan
+            from sgl_kernel_fork.expert_executor import CpuBranchPlan
 
             plan = CpuBranchPlan(
                 stream_branch_tokens(), self.top_k, self.host["w13"], self.host["w2"]

@@ -1,4 +1,4 @@
-"""Expert-cache control: thin wrappers over the ``sgl_kernel`` ops, and their fixed-shape buffers.
+"""Expert-cache control: thin wrappers over the ``torch.ops.sgl_kernel`` ops, and their fixed-shape buffers.
 
 FreeToken (paper §3.2, §4.1 "Device-side cache control") keeps one LRU pool of ``S`` GPU expert
 slots shared by all MoE layers. Per MoE layer, one op call
@@ -12,9 +12,9 @@ graph.
 
 The exact semantics (steps 1-9) are the docstring of :mod:`reference` beside this module
 (``ReferenceExpertCache``). The ops run on CPU tensors (C++) and on CUDA tensors (CUDA kernel,
-when ``sgl_kernel`` was built with CUDA); both implement the same steps.
+when ``sgl_kernel_fork`` was built with CUDA); both implement the same steps.
 
-This module imports only torch and ``sgl_kernel`` (which registers the ops).
+This module imports only torch and ``sgl_kernel_fork`` (which registers the ops).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Sequence, Union
 
 import torch
 
-import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel.expert_cache_*)
+import sgl_kernel_fork  # noqa: F401  (registers torch.ops.sgl_kernel.expert_cache_*)
 
 POLICY_QSTAR = 0  # fill q* = clamp(round(m * fill_ratio), 1, m) of the m misses (Eq. 4)
 POLICY_FILL = 1  # fill every miss (up to F and the free capacity): on-demand LRU cache

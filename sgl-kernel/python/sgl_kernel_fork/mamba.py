@@ -197,7 +197,7 @@ def chunk_gated_delta_rule_cpu(
         ``(o, final_state_or_None, h_or_None)``, ``o`` ``[B, T, HV, V]`` in q's
         dtype.
 
-    Formula and sources: see :func:`sgl_kernel.ops.chunk_gated_delta_rule`.
+    Formula and sources: see :func:`sgl_kernel_fork.ops.chunk_gated_delta_rule`.
     """
     del kwargs
     o, final_state, h = ops.chunk_gated_delta_rule(

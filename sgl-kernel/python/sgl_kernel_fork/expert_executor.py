@@ -7,7 +7,7 @@ copy). On CPU-only machines the same op computes every routed expert (prefill
 chunks included). C++ in ``csrc/cpu/moe_experts.cpp`` (op),
 ``csrc/cpu/expert_pool.cpp`` (threads) and ``csrc/cpu/isa/moe_kernels_impl.h``
 (SIMD kernels: avx512bf16 with ``vdpbf16ps``, avx512, avx2, scalar; chosen like
-every other op by ``sgl_kernel.cpu_isa()`` / ``SGLANG_CPU_KERNEL_ISA``).
+every other op by ``sgl_kernel_fork.cpu_isa()`` / ``SGLANG_CPU_KERNEL_ISA``).
 
 Formula, per token ``t`` (``x = hidden[t]``)::
 
