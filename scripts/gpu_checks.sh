@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one script for a lent GPU machine (run from the repository root; ~5 min).
 # Builds sgl-kernel in place with the machine's CUDA torch and toolkit, then runs the GPU tests:
-# the control op and bank copy against the CPU ops (CUDA-graph replay included) and the CPU
-# branch as copy + host function + copy, eager and captured in a CUDA graph; then the control
+# the control op and bank copy against the CPU ops (CUDA-graph replay included), the CPU
+# branch as copy + host function + copy, eager and captured in a CUDA graph, and (when sglang
+# is importable) whole layer calls of the cache on CUDA against the CPU cache; then the control
 # op's timing on the device; then the anchor-checkpoint e2e test on CUDA when sglang is set up.
 # Prints everything; record the output in the issue note.
 set -uo pipefail
@@ -20,7 +21,8 @@ PY
 export PYTHONPATH=$PWD/sgl-kernel/python:$PWD/python:${PYTHONPATH:-}
 $PY -c "import sgl_kernel_fork, torch; print('sgl_kernel_fork', sgl_kernel_fork.__file__, 'cuda op', torch._C._dispatch_has_kernel_for_dispatch_key('sgl_kernel::expert_cache_control', 'CUDA'))"
 $PY -c "import sgl_kernel, sgl_kernel_fork; print('upstream sgl_kernel beside it:', sgl_kernel.__file__)" 2>&1 | tail -1
-$PY -m pytest -q -ra test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_sources.py 2>&1 | tail -25
+$PY -c "import sgl_kernel_fork._C_cuda" || { echo "FAILED: sgl_kernel_fork._C_cuda did not build; every CUDA test would skip"; exit 1; }
+$PY -m pytest -q -ra test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py test/expert_cache/test_cuda_sources.py 2>&1 | tail -25
 $PY benchmark/expert_cache_control.py --device cuda 2>&1 | tail -8
 # Anchor checkpoints on CUDA (same code path as the CPU, CUDA kernels): the e2e test starts the
 # tiny hybrid model through scripts/serve.sh, which runs on CUDA when nvidia-smi sees a GPU.

@@ -17,11 +17,13 @@ For cache sizes from one layer's top-k (8 slots) to the whole pool and for each 
 """
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import requests
 import torch
+from conftest import model_path
 
 NEW_TOKENS = 16
 STOCK_MEAN_SLACK = 1.25
@@ -144,7 +146,7 @@ def test_metrics_exported(server_pool):
     srv = server_pool.get(
         "qwen3_moe",
         _cache_args(("--expert-cache-size", "8", "--expert-cache-policy", "qstar"))
-        + ["--enable-metrics"],
+        + ["--enable-metrics", "--decode-log-interval", "1"],
     )
     for _ in range(3):  # enough layer calls for a publication (every 64 calls)
         r = requests.post(
@@ -163,3 +165,24 @@ def test_metrics_exported(server_pool):
     assert fills >= 1 and cpu >= 1  # qstar at B_P/B_H = 0.5 does both
     assert _metric(text, "sglang:expert_cache_slots") == 8
     assert 0 < _metric(text, "sglang:expert_cache_occupied_slots") <= 8
+    # Patch 0033: the scheduler's decode log publishes the device counters (a CUDA graph replay
+    # runs no Python). With --decode-log-interval 1 the published layer calls follow each
+    # request exactly; from the 64-call publication in forward alone they would move in steps
+    # of 64.
+    layers = json.loads((model_path("qwen3_moe") / "config.json").read_text())["num_hidden_layers"]
+    calls_before = _metric(text, "sglang:expert_cache_calls_total")
+    new_tokens = 5
+    r = requests.post(
+        srv.url + "/generate",
+        json={
+            "text": "one more",
+            "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True},
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    text = requests.get(srv.url + "/metrics", timeout=60).text
+    calls = _metric(text, "sglang:expert_cache_calls_total") - calls_before
+    # one forward pass per new token (the first comes from the prefill); an overlap scheduler
+    # may run one more decode pass before it sees the request finished
+    assert calls in (layers * new_tokens, layers * (new_tokens + 1)), (calls, layers)

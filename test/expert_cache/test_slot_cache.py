@@ -9,6 +9,8 @@ routing sequence over several MoE layers. Checked:
 * bad configurations fail with a clear error.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def make_cache(size: str, policy: str, seed: int = 0, **kw) -> ExpertSlotCache:
         hidden_size=H,
         intermediate_size=I,
         dtype=kw.pop("dtype", torch.bfloat16),
-        device="cpu",
+        device=kw.pop("device", "cpu"),
     )
     g = torch.Generator().manual_seed(seed)
     for layer in range(L):
@@ -217,3 +219,33 @@ def test_routing_trace_recorded(tmp_path):
         assert rec["phase"] == ("decode" if ids.shape[0] == 1 else "prefill")
         assert (rec["num_experts"], rec["num_layers"]) == (E, L)
     assert [r["step"] for r in lines] == [i // L for i in range(len(calls))]
+
+
+def test_no_slots_counts_on_the_device_and_measures_nothing(tmp_path, monkeypatch):
+    """With no slots every expert runs on the CPU: B_P / B_H are not measured (nor cached), and
+    a call counts its distinct routed experts as misses run on the CPU, out-of-range ids being
+    padding as in the control op."""
+    monkeypatch.setenv("SGLANG_EXPERT_CACHE_PROFILE_PATH", str(tmp_path / "bw.json"))
+    cache = make_cache("auto", "qstar", fill_gbps=None, cpu_gbps=None)
+    assert cache.num_slots == 0 and cache.bandwidths.source == "unused: no slots"
+    assert not (tmp_path / "bw.json").exists()
+    ids = torch.tensor([[3, 5, -1, E], [5, 7, 3, E + 9]], dtype=torch.int32)
+    slot_ids, cpu_ids = cache.route(1, ids)
+    assert (slot_ids == -1).all()
+    assert cpu_ids.tolist() == [[E + 3, E + 5, -1, -1], [E + 5, E + 7, E + 3, -1]]
+    snap = cache.snapshot()
+    assert (snap["misses"], snap["cpu_experts"], snap["fills"], snap["hits"]) == (3, 3, 0, 0)
+
+
+def test_cuda_kernel_limits_are_checked_at_startup():
+    """The CUDA control kernel's limits (F <= 32, E <= 4096) are checked when the cache is
+    sized, with the flag to change, not at the first forward (the method is device-neutral)."""
+    cache = make_cache("25%", "qstar")
+    assert cache._check_cuda_limits(16) == 16
+    assert cache._check_cuda_limits(40) == 32  # 2 x top-k of a top-20 model: clamped
+    cache.config = dataclasses.replace(cache.config, max_fills=40)
+    with pytest.raises(ValueError, match="--expert-cache-max-fills 40 .* at most 32"):
+        cache._check_cuda_limits(40)
+    cache.num_experts = 5000
+    with pytest.raises(ValueError, match="at most 4096 routed experts"):
+        cache._check_cuda_limits(16)

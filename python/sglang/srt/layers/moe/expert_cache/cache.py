@@ -125,7 +125,8 @@ class ExpertSlotCache:
         self.num_slots = 0
         self.policy = config.policy
         self.bandwidths: Optional[Bandwidths] = None
-        self.calls = 0
+        self._eager_calls = 0  # Python-side calls (a graph replay adds none)
+        self.clock: Optional[torch.Tensor] = None  # [1] int64 on the device: layer calls
         self._metrics = None
         self._branch = None  # (CpuBranchPlan, side stream) on CUDA, made on first use
         self.recorder = None
@@ -234,14 +235,21 @@ class ExpertSlotCache:
         self.stats = torch.zeros(4, **i64)
         self.counts = torch.zeros(4, **i32)
         self.max_fills = max(1, min(cfg.max_fills or 2 * self.top_k, max(slots, 1)))
+        if self.device.type == "cuda" and slots > 0:
+            self.max_fills = self._check_cuda_limits(self.max_fills)
         self.fill_src = torch.full((self.max_fills,), -1, **i32)
         self.fill_dst = torch.full((self.max_fills,), -1, **i32)
-        self.fills_per_call: list[int] = []
         self._place_at_load()
         if self.device.type == "cuda":
             self._cpu_branch()  # page-locked staging allocated before any graph capture
         threads = _ops().expert_pool_set_threads(cfg.cpu_threads)
-        self.bandwidths = self._bandwidths(threads)
+        if slots:
+            self.bandwidths = self._bandwidths(threads)
+        else:
+            # Every miss runs on the CPU: no q* split to set, and on CUDA the host pool was not
+            # pinned, which the fill probe needs. Nothing is measured or cached.
+            nan = float("nan")
+            self.bandwidths = Bandwidths(nan, nan, "unused: no slots")
         logger.info(
             "Expert cache: %d slots (%.1f MB) for %d routed %s experts on %s, policy %s, "
             "B_P %.2f GB/s, B_H %.2f GB/s (%s), q*/m = %.2f, %d CPU threads",
@@ -257,6 +265,38 @@ class ExpertSlotCache:
             self.bandwidths.fill_ratio,
             threads,
         )
+
+    def _check_cuda_limits(self, max_fills: int) -> int:
+        """The CUDA control kernel's limits (``csrc/cuda/expert_cache.h``), checked at startup
+        instead of at the first forward. Returns the fill-list capacity to use.
+
+        Raises:
+            ValueError: more routed experts per layer than the kernel handles, or an explicit
+                ``--expert-cache-max-fills`` above its fill-list capacity.
+        """
+        from sglang.srt.layers.moe.expert_cache.control import (
+            CUDA_MAX_EXPERTS,
+            CUDA_MAX_FILL,
+        )
+
+        if self.num_experts > CUDA_MAX_EXPERTS:
+            raise ValueError(
+                f"--enable-expert-cache on CUDA handles at most {CUDA_MAX_EXPERTS} routed experts "
+                f"per layer; this model has {self.num_experts}. Serve it without the expert cache"
+            )
+        if max_fills <= CUDA_MAX_FILL:
+            return max_fills
+        if self.config.max_fills:
+            raise ValueError(
+                f"--expert-cache-max-fills {self.config.max_fills} is above the CUDA kernel's "
+                f"fill-list capacity; give at most {CUDA_MAX_FILL}"
+            )
+        logger.info(
+            "Expert cache: at most %d fills per layer call on CUDA (2 x top-k would be %d)",
+            CUDA_MAX_FILL,
+            max_fills,
+        )
+        return CUDA_MAX_FILL
 
     def _place_at_load(self) -> None:
         """Fill the slots with a neutral load-time placement: experts 0, 1, ... of every MoE
@@ -364,17 +404,31 @@ class ExpertSlotCache:
             ``slot_ids`` or a host-pool row in ``cpu_ids``, -1 in the other (both -1 for
             padding).
         """
+        slot_ids, cpu_ids = self.control(layer_id, topk_ids)
+        self.fill()
+        return slot_ids, cpu_ids
+
+    def control(self, layer_id: int, topk_ids: torch.Tensor):
+        """The control step alone (FreeToken §4 "Device-side cache control"): tables updated,
+        routed ids rewritten, the fill work list of this call in ``fill_src`` / ``fill_dst`` /
+        ``counts``, not yet copied (:meth:`fill`). Arguments and results as :meth:`route`.
+        Advances ``clock`` by one per call, with or without slots (the call counter)."""
         e = self.num_experts
         if self.num_slots == 0:
-            cpu_ids = torch.where(topk_ids >= 0, topk_ids + layer_id * e, -1).to(torch.int32)
-            distinct = int(torch.unique(topk_ids[topk_ids >= 0]).numel())
+            # Out-of-range ids are padding, as in the control op. The distinct routed experts
+            # are counted on the device, without a host sync, so this path is capturable too.
+            valid = (topk_ids >= 0) & (topk_ids < e)
+            cpu_ids = torch.where(valid, topk_ids + layer_id * e, -1).to(torch.int32)
+            seen = torch.zeros(e + 1, dtype=torch.bool, device=topk_ids.device)
+            seen[torch.where(valid, topk_ids, e).long().flatten()] = True
+            distinct = seen[:e].sum()
             self.stats[STAT_MISSES] += distinct
             self.stats[STAT_CPU] += distinct
+            self.clock += 1
             return torch.full_like(cpu_ids, -1), cpu_ids
-        ops = _ops()
         slot_ids = torch.empty_like(topk_ids)
         cpu_ids = torch.empty_like(topk_ids)
-        ops.expert_cache_control(
+        _ops().expert_cache_control(
             topk_ids,
             layer_id,
             e,
@@ -391,14 +445,20 @@ class ExpertSlotCache:
             float(self.bandwidths.fill_ratio),
             int(self.policy),
         )
-        ops.expert_bank_copy(
+        return slot_ids, cpu_ids
+
+    def fill(self) -> None:
+        """Copy the last control step's fills, host pool -> slots, every bank in one launch
+        (masked on the device by ``counts``: no host sync)."""
+        if self.num_slots == 0:
+            return
+        _ops().expert_bank_copy(
             self.host.bank_list(),
             self.slots.bank_list(),
             self.fill_src,
             self.fill_dst,
             self.counts,
         )
-        return slot_ids, cpu_ids
 
     def forward(
         self,
@@ -422,14 +482,18 @@ class ExpertSlotCache:
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         x = hidden_states.contiguous()
-        if self.recorder is not None:
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.recorder is not None and not capturing:  # the trace copy syncs the host
             self.recorder.record(layer_id, ids)
-        slot_ids, cpu_ids = self.route(layer_id, ids)
-        self.calls += 1
-        if self.calls % 64 == 0:
+        self._eager_calls += 1
+        if self._eager_calls % 64 == 0:
             self.publish_metrics()
         if self.device.type == "cuda":
+            # The fills are copied after the CPU branch forks, so the two run in parallel
+            # (the premise of the q* split, FreeToken §3.2).
+            slot_ids, cpu_ids = self.control(layer_id, ids)
             return self._forward_cuda(x, weights, slot_ids, cpu_ids, moe_runner_config)
+        slot_ids, cpu_ids = self.route(layer_id, ids)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
         _ops().moe_experts_cpu(
             x,
@@ -488,8 +552,9 @@ class ExpertSlotCache:
         branch goes on a side stream as copy + host function + copy (no host sync, capturable
         in a CUDA graph, FreeToken §4), forked before and joined after the device's slot
         experts. Larger batches (prefill chunks): the CPU ids are handed over with one sync,
-        the executor is submitted, the device computes meanwhile, then the sum. Not yet run
-        on a GPU (this project's machines have none)."""
+        the executor is submitted, the device computes meanwhile, then the sum. Either way the
+        fills (:meth:`fill`) are copied after the CPU branch has started. Not yet run on a GPU
+        (this project's machines have none; ``test/expert_cache/test_cuda_cache.py``)."""
         T = x.shape[0]
         plan, side = self._cpu_branch()
         if T > plan.max_tokens and torch.cuda.is_current_stream_capturing():
@@ -507,6 +572,7 @@ class ExpertSlotCache:
                 plan.enqueue(x, weights, cpu_ids, cpu_part)
             # No record_stream: the join below orders every later use of these blocks on main
             # after the side stream's work (and record_stream would pin them for a whole capture).
+            self.fill()
             device_part = self._slot_experts(x, weights, slot_ids, moe_runner_config)
             main.wait_stream(side)
             return (device_part.float() + cpu_part).to(x.dtype)
@@ -520,6 +586,7 @@ class ExpertSlotCache:
         handle = ops.moe_experts_cpu_submit(
             x_host, w_host, [cpu_host], [self.host["w13"]], [self.host["w2"]], out_host, False
         )
+        self.fill()
         device_part = self._slot_experts(x, weights, slot_ids, moe_runner_config)
         ops.moe_experts_cpu_wait(handle)
         return (device_part.float() + out_host.to(x.device, non_blocking=True)).to(x.dtype)
@@ -532,13 +599,14 @@ class ExpertSlotCache:
         calls), calls (layer calls), slots, occupied_slots, fill_ratio (B_P / B_H).
         """
         hits, misses, fills, cpu = (int(v) for v in self.stats.tolist())
+        calls = int(self.clock.item()) if self.clock is not None else 0
         occupied = int((self.id_of_slot >= 0).sum()) if self.num_slots else 0
         return dict(
             hits=hits,
             misses=misses,
             fills=fills,
             cpu_experts=cpu,
-            calls=self.calls,
+            calls=calls,
             slots=self.num_slots,
             occupied_slots=occupied,
             fill_ratio=self.bandwidths.fill_ratio if self.bandwidths else float("nan"),
@@ -546,7 +614,8 @@ class ExpertSlotCache:
 
     def publish_metrics(self) -> None:
         """Export the counters with SGLang's Prometheus metrics (``--enable-metrics``).
-        Called every 64 layer calls; skipped inside a CUDA graph capture."""
+        Called every 64 eager layer calls and by the scheduler's periodic decode log (layer
+        calls replayed from a CUDA graph run no Python); skipped inside a graph capture."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         if self._metrics is None:

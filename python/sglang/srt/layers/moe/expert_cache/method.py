@@ -27,6 +27,14 @@ def get_expert_slot_cache() -> Optional[ExpertSlotCache]:
     return _CACHE
 
 
+def publish_expert_cache_metrics() -> None:
+    """Export the cache's counters to Prometheus now, if there is a finalized cache (patch 0033
+    calls this at the scheduler's decode log interval: graph-replayed decode steps run no
+    Python, so :meth:`ExpertSlotCache.forward` cannot publish them). One device sync."""
+    if _CACHE is not None and _CACHE.finalized:
+        _CACHE.publish_metrics()
+
+
 def reset_expert_slot_cache() -> None:
     """Forget the process's cache (a new model is about to be built; tests)."""
     global _CACHE
