@@ -29,9 +29,12 @@ NEW_TOKENS = 16
 STOCK_MEAN_SLACK = 1.25
 STOCK_P95_SLACK = 1.5
 RESIDENT = ("--expert-cache-size", "100%", "--expert-cache-policy", "fill")
+# One layer's top-k (8 slots) under every miss policy, then larger shares of the pool; the
+# full size x policy grid runs at the layer level (test/expert_cache/test_slot_cache.py).
 CONFIGS = [
     ("--expert-cache-size", "8", "--expert-cache-policy", "qstar"),
     ("--expert-cache-size", "8", "--expert-cache-policy", "fill"),
+    ("--expert-cache-size", "8", "--expert-cache-policy", "cpu"),
     ("--expert-cache-size", "25%", "--expert-cache-policy", "cpu"),
     ("--expert-cache-size", "50%", "--expert-cache-policy", "qstar"),
 ]

@@ -89,15 +89,15 @@ def reference(cache: ExpertSlotCache, layer, x, w, ids) -> torch.Tensor:
     return out
 
 
-CONFIGS = [
-    ("100%", "fill"),  # every expert resident after warm-up: the reference configuration
-    ("auto", "qstar"),  # auto on a CPU device: no slots, everything on the CPU
-    (str(K), "qstar"),  # one layer's top-k
-    (str(K), "fill"),
-    ("25%", "qstar"),
-    ("25%", "cpu"),
-    ("50%", "fill"),
-]
+# ("100%", "fill") first: every expert resident from the load-time placement, the reference.
+# Then every size from one layer's top-k to the whole pool under every miss policy, and auto
+# (on a CPU device: no slots, everything on the CPU).
+CONFIGS = [("100%", "fill")] + [
+    (size, policy)
+    for size in (str(K), "25%", "50%", "100%")
+    for policy in ("qstar", "fill", "cpu")
+    if (size, policy) != ("100%", "fill")
+] + [("auto", "qstar")]
 
 
 def test_outputs_identical_across_sizes_and_policies():

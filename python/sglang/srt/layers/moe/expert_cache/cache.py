@@ -149,7 +149,8 @@ class ExpertSlotCache:
         if got != want:
             raise ValueError(
                 "--enable-expert-cache needs every MoE layer to have the same expert shape "
-                f"(experts, top-k, hidden, intermediate, dtype); got {got}, expected {want}"
+                f"(experts, top-k, hidden, intermediate, dtype); got {got}, expected {want}. "
+                "Serve this model without --enable-expert-cache"
             )
 
     def register_layer(self, layer_id: int) -> None:

@@ -138,18 +138,28 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
         if getattr(parallel, name, 1) > 1:
             problems.append(f"--{name.replace('_', '-')} must be 1 (one device only)")
     if getattr(moe, "enable_paged_experts", False):
-        problems.append("--enable-paged-experts and --enable-expert-cache exclude each other")
+        problems.append("--enable-paged-experts and --enable-expert-cache exclude each other (drop one)")
     if not isinstance(base_method, UnquantizedFusedMoEMethod):
         problems.append(
-            f"{type(base_method).__name__} experts are not supported yet (bf16 experts only)"
+            f"{type(base_method).__name__} experts are not supported yet: serve the bf16 checkpoint "
+            "(no --quantization) or drop --enable-expert-cache"
         )
     cfg = layer.moe_runner_config
     if cfg.activation != "silu" or not cfg.is_gated:
-        problems.append(f"only gated SiLU experts are supported (got {cfg.activation})")
+        problems.append(
+            f"only gated SiLU experts are supported (got {cfg.activation}, gated={cfg.is_gated}); "
+            "serve this model without --enable-expert-cache"
+        )
     if cfg.apply_router_weight_on_input:
-        problems.append("apply_router_weight_on_input is not supported")
+        problems.append(
+            "router weights applied on the input are not supported; serve this model without "
+            "--enable-expert-cache"
+        )
     if cfg.routed_scaling_factor not in (None, 1.0):
-        problems.append("a routed scaling factor is not supported yet")
+        problems.append(
+            "a routed scaling factor is not supported yet; serve this model without "
+            "--enable-expert-cache"
+        )
     if getattr(layer, "num_fused_shared_experts", 0):
         problems.append(
             "fused shared experts are not supported (add --disable-shared-experts-fusion)"

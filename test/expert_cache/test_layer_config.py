@@ -1,0 +1,66 @@
+"""``make_for_layer``: which FusedMoE layers and server configurations the cache accepts, and
+the error that lists every problem with what to change (no server; the runtime context that
+upstream's layer reads is replaced by plain namespaces)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+import sglang.srt.runtime_context as runtime_context
+from sglang.srt.layers.moe.expert_cache.method import ExpertCacheMoEMethod, make_for_layer
+from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+
+def _context(monkeypatch, *, tp=1, ep=1, paged=False, **moe_flags):
+    moe = SimpleNamespace(
+        enable_expert_cache=True, enable_paged_experts=paged, expert_cache_size="25%",
+        expert_cache_policy="qstar", **moe_flags,
+    )
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace(moe=moe))
+    monkeypatch.setattr(
+        runtime_context, "get_parallel",
+        lambda: SimpleNamespace(tp_size=tp, ep_size=ep, pp_size=1, dp_size=1),
+    )
+    monkeypatch.setattr(
+        runtime_context, "process_model_config",
+        lambda: SimpleNamespace(hf_text_config=SimpleNamespace(num_experts_per_tok=8, num_hidden_layers=4)),
+    )
+    monkeypatch.setattr(runtime_context, "get_device", lambda: SimpleNamespace(device="cpu"))
+
+
+def _layer(**cfg):
+    runner = MoeRunnerConfig(**{"num_experts": 64, "top_k": 8, "activation": "silu", **cfg})
+    return SimpleNamespace(moe_runner_config=runner, top_k=8, layer_id=2, num_fused_shared_experts=0)
+
+
+def _unquant():
+    return UnquantizedFusedMoEMethod.__new__(UnquantizedFusedMoEMethod)
+
+
+def test_a_plain_bf16_layer_gets_the_cache_method(monkeypatch):
+    _context(monkeypatch)
+    method = make_for_layer(_layer(), _unquant())
+    assert isinstance(method, ExpertCacheMoEMethod)
+    assert (method.layer_id, method.top_k, method.num_layers) == (2, 8, 4)
+    assert method.config.size.fraction == 0.25
+
+
+def test_every_problem_is_listed_with_what_to_change(monkeypatch):
+    _context(monkeypatch, tp=2, paged=True, expert_cache_max_fills=0)
+    layer = _layer(activation="gelu", apply_router_weight_on_input=True, routed_scaling_factor=2.5)
+    layer.num_fused_shared_experts = 1
+    with pytest.raises(RuntimeError) as err:
+        make_for_layer(layer, object())
+    msg = str(err.value)
+    for part in (
+        "--tp-size must be 1",
+        "--enable-paged-experts and --enable-expert-cache exclude each other",
+        "experts are not supported yet: serve the bf16 checkpoint",
+        "only gated SiLU experts are supported (got gelu",
+        "router weights applied on the input are not supported",
+        "a routed scaling factor is not supported yet",
+        "add --disable-shared-experts-fusion",
+        "--expert-cache-max-fills must be >= 1",
+    ):
+        assert part in msg, (part, msg)
