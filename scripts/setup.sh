@@ -61,14 +61,22 @@ kernel_hash=$(find sgl-kernel -type f \( -name '*.cpp' -o -name '*.h' -o -name '
 #    its CUDA sources, compiled with nvcc). On a CPU-only machine the install adds the alias
 #    `sgl_kernel`, the name upstream imports for its CPU ops; on a CUDA machine upstream's
 #    sglang-kernel keeps that name and both packages load side by side (sgl-kernel/setup.py).
+if has_cuda; then
+  export SGL_KERNEL_FORK_ALIAS=0 SGL_KERNEL_BUILD_CUDA=1
+else
+  export SGL_KERNEL_FORK_ALIAS=1
+fi
 if $PY - <<'PYEOF'
-import sys
+import os, sys
 try:
     import torch, sgl_kernel_fork  # noqa: F401
     ok = hasattr(torch.ops.sgl_kernel, "expert_cache_control")
-    if ok and torch.version.cuda is None:
+    if os.environ["SGL_KERNEL_FORK_ALIAS"] == "1":
         import sgl_kernel
-        ok = sgl_kernel.ops is sgl_kernel_fork.ops  # the alias, not some other sgl_kernel
+        ok = ok and sgl_kernel.ops is sgl_kernel_fork.ops  # the alias, not another sgl_kernel
+    else:
+        ok = ok and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "sgl_kernel::expert_cache_control", "CUDA")
 except Exception:
     ok = False
 sys.exit(0 if ok else 1)
@@ -83,8 +91,11 @@ else
   rebuild=1
 fi
 if [ "$rebuild" = 1 ]; then
+  # setuptools packs everything under build/lib.*: files of an earlier layout or of the other
+  # machine kind (the CPU-only alias) must not ride along.
+  rm -rf sgl-kernel/build/lib.* sgl-kernel/build/bdist.* sgl-kernel/python/*.egg-info
   if has_cuda; then
-    echo "== building sgl-kernel/ (sgl_kernel_fork: CPU ops + CUDA sources; upstream's sglang-kernel stays sgl_kernel)"
+    echo "== building sgl-kernel/ (sgl_kernel_fork: CPU ops + CUDA sources; sgl_kernel stays upstream's)"
     MAX_JOBS=${MAX_JOBS:-8} $PIP install --no-build-isolation --no-deps ./sgl-kernel
   else
     echo "== building sgl-kernel/ (sgl_kernel_fork + its sgl_kernel alias: CPU ops)"

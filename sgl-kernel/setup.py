@@ -105,6 +105,7 @@ if want_cuda(cuda_sources):
         )
     )
 
+
 def want_alias():
     flag = os.environ.get("SGL_KERNEL_FORK_ALIAS", "auto").lower()
     if flag in ("0", "false", "no", "off"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import requests
@@ -173,7 +174,7 @@ def test_metrics_exported(server_pool):
     # request exactly; from the 64-call publication in forward alone they would move in steps
     # of 64.
     layers = json.loads((model_path("qwen3_moe") / "config.json").read_text())["num_hidden_layers"]
-    calls_before = _metric(text, "sglang:expert_cache_calls_total")
+    calls_before = _settled_calls(srv.url)
     new_tokens = 5
     r = requests.post(
         srv.url + "/generate",
@@ -184,8 +185,22 @@ def test_metrics_exported(server_pool):
         timeout=300,
     )
     assert r.status_code == 200, r.text
-    text = requests.get(srv.url + "/metrics", timeout=60).text
-    calls = _metric(text, "sglang:expert_cache_calls_total") - calls_before
+    # The response streams out before the scheduler's decode log of the same step runs, so
+    # the last publication may trail the response by a moment: read until it settles.
+    calls = _settled_calls(srv.url) - calls_before
     # one forward pass per new token (the first comes from the prefill); an overlap scheduler
     # may run one more decode pass before it sees the request finished
     assert calls in (layers * new_tokens, layers * (new_tokens + 1)), (calls, layers)
+
+
+def _settled_calls(url: str, timeout_s: float = 20.0) -> float:
+    """``sglang:expert_cache_calls_total`` once two reads 0.5 s apart agree."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        text = requests.get(url + "/metrics", timeout=60).text
+        value = _metric(text, "sglang:expert_cache_calls_total")
+        if value == last or time.monotonic() > deadline:
+            return value
+        last = value
+        time.sleep(0.5)

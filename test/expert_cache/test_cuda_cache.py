@@ -17,7 +17,8 @@ HAS_CUDA_OP = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_di
     "sgl_kernel::expert_cache_control", "CUDA"
 )
 pytestmark = pytest.mark.skipif(
-    not HAS_CUDA_OP, reason="needs a GPU and sgl_kernel_fork built with CUDA (torch.cuda unavailable here)"
+    not HAS_CUDA_OP,
+    reason="needs a GPU and sgl_kernel_fork built with CUDA (torch.cuda unavailable here)",
 )
 
 
@@ -45,9 +46,12 @@ def _tolerance(ref: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("stream_tokens", ["512", "1"])  # "1": batches > 1 take the prefill path
 @pytest.mark.parametrize(
-    "size,policy", [("100%", "fill"), ("4", "qstar"), ("25%", "qstar"), ("25%", "cpu"), ("50%", "fill")]
+    "size,policy",
+    [("100%", "fill"), ("4", "qstar"), ("25%", "qstar"), ("25%", "cpu"), ("50%", "fill")],
 )
-def test_forward_on_cuda_matches_the_cpu_cache(runner_config, monkeypatch, size, policy, stream_tokens):
+def test_forward_on_cuda_matches_the_cpu_cache(
+    runner_config, monkeypatch, size, policy, stream_tokens
+):
     from sglang.srt.layers.moe.expert_cache.cache import STREAM_TOKENS_ENV
     from test_slot_cache import make_cache, routing
 

@@ -24,14 +24,18 @@ def _context(monkeypatch, *, tp=1, ep=1, paged=False, **moe_flags):
     )
     monkeypatch.setattr(
         runtime_context, "process_model_config",
-        lambda: SimpleNamespace(hf_text_config=SimpleNamespace(num_experts_per_tok=8, num_hidden_layers=4)),
+        lambda: SimpleNamespace(
+            hf_text_config=SimpleNamespace(num_experts_per_tok=8, num_hidden_layers=4)
+        ),
     )
     monkeypatch.setattr(runtime_context, "get_device", lambda: SimpleNamespace(device="cpu"))
 
 
 def _layer(**cfg):
     runner = MoeRunnerConfig(**{"num_experts": 64, "top_k": 8, "activation": "silu", **cfg})
-    return SimpleNamespace(moe_runner_config=runner, top_k=8, layer_id=2, num_fused_shared_experts=0)
+    return SimpleNamespace(
+        moe_runner_config=runner, top_k=8, layer_id=2, num_fused_shared_experts=0
+    )
 
 
 def _unquant():

@@ -237,10 +237,19 @@ def test_no_slots_counts_on_the_device_and_measures_nothing(tmp_path, monkeypatc
     assert (snap["misses"], snap["cpu_experts"], snap["fills"], snap["hits"]) == (3, 3, 0, 0)
 
 
-def test_cuda_kernel_limits_are_checked_at_startup():
-    """The CUDA control kernel's limits (F <= 32, E <= 4096) are checked when the cache is
-    sized, with the flag to change, not at the first forward (the method is device-neutral)."""
+def test_cuda_kernel_limits_are_checked_at_startup(monkeypatch):
+    """The CUDA control kernel's presence and limits (F <= 32, E <= 4096) are checked when the
+    cache is sized, with what to change, not at the first forward (the method is
+    device-neutral; the kernel lookup is stubbed where no CUDA kernel is built)."""
     cache = make_cache("25%", "qstar")
+    lookup = torch._C._dispatch_has_kernel_for_dispatch_key
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: False)
+    with pytest.raises(RuntimeError, match="rerun `make setup`"):
+        cache._check_cuda_limits(16)
+    monkeypatch.setattr(
+        torch._C, "_dispatch_has_kernel_for_dispatch_key",
+        lambda op, key: key == "CUDA" or lookup(op, key),
+    )
     assert cache._check_cuda_limits(16) == 16
     assert cache._check_cuda_limits(40) == 32  # 2 x top-k of a top-20 model: clamped
     cache.config = dataclasses.replace(cache.config, max_fills=40)

@@ -1,10 +1,10 @@
 """Shared fixtures of the sgl_kernel CPU-op tests.
 
 The tests need the fork's operator package built and installed
-(``pip install --no-build-isolation ./sgl-kernel``, done by ``make setup``): on a
-CPU-only machine that is ``sgl_kernel_fork`` plus its ``sgl_kernel`` alias, the
-name upstream sglang imports and these tests use. If it cannot be imported the
-whole folder fails (no silent skip).
+(``pip install --no-build-isolation ./sgl-kernel``, done by ``make setup``). The
+tests import ``sgl_kernel_fork``; ``test_api.py`` checks the ``sgl_kernel`` alias
+upstream imports on a CPU-only machine. If it cannot be imported the whole folder
+fails (no silent skip).
 
 The references live in ``sglk_refs.py`` (transformers' Qwen3-Next torch code)
 or in the tests themselves (plain Python loops).
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 try:
-    import sgl_kernel  # noqa: F401
+    import sgl_kernel_fork  # noqa: F401
 except ImportError as e:  # pragma: no cover - reported as a collection error
     raise ImportError(
-        "sgl_kernel is not importable: build and install it with "
+        "sgl_kernel_fork is not importable: build and install it with "
         "`pip install --no-build-isolation ./sgl-kernel` (" + str(e) + ")"
     ) from e
 

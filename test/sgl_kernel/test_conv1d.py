@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglk_refs import ref_causal_conv1d_fn, ref_causal_conv1d_update
 
-from sgl_kernel.mamba import causal_conv1d_fn_cpu, causal_conv1d_update_cpu
+from sgl_kernel_fork.mamba import causal_conv1d_fn_cpu, causal_conv1d_update_cpu
 
 
 def tol(dtype):

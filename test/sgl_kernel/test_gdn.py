@@ -32,8 +32,8 @@ from sglk_refs import (
     ref_recurrent_gated_delta_rule,
 )
 
-import sgl_kernel
-from sgl_kernel.mamba import chunk_gated_delta_rule_cpu
+import sgl_kernel_fork as sgl_kernel
+from sgl_kernel_fork.mamba import chunk_gated_delta_rule_cpu
 
 F32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -296,7 +296,7 @@ def test_prefill_then_decode_matches_longer_prefill(isa):
     """Upstream's call pattern end to end (gdn_backend + gdn_triton on CPU):
     conv + chunk on T tokens, then conv-update + fused decode for 2 tokens,
     equals conv + chunk on the T + 2 tokens."""
-    from sgl_kernel.mamba import causal_conv1d_fn_cpu, causal_conv1d_update_cpu
+    from sgl_kernel_fork.mamba import causal_conv1d_fn_cpu, causal_conv1d_update_cpu
 
     H, HV, K, V, W, T = 2, 4, 32, 32, 4, 70
     dim = 2 * H * K + HV * V

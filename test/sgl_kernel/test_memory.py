@@ -2,7 +2,7 @@
 
 import torch
 
-import sgl_kernel
+import sgl_kernel_fork as sgl_kernel
 
 
 def test_assign_req_to_token_pool():

@@ -27,7 +27,7 @@
 // (set, row), and three kinds of work items are handed out in this order from
 // one atomic counter:
 //   1. (expert, block of intermediate indices [j0,j1)): gate rows j0..j1 and
-//      up rows I+j0..I+j1 of w13 (~512 KB of weights), dotted with every token
+//      up rows I+j0..I+j1 of w13 (~512 KB of weights, less with many threads: item_bytes), dotted with every token
 //      of the expert, then h for those indices;
 //   2. (expert, block of rows of w2, ~512 KB): dotted with the h of every token
 //      of the expert; starts once all phase-1 items of its expert are done;
@@ -111,8 +111,13 @@ int64_t scratch_budget() {
 // thread's stream jumps every item; the hardware prefetchers ramp up again after each jump.
 // 128 KB items reached 0.76 of the read bandwidth on 2 threads when the memory ran at
 // ~53 GB/s, 512 KB items 0.89 (batch 1, 256 cold Qwen3-30B-A3B experts; both ~0.95 at
-// ~35 GB/s). An expert of 9.4 MB still makes 18 items to share out.
-constexpr int64_t kItemBytes = 512 << 10;
+// ~35 GB/s). With many threads each one's share of the bandwidth is small (the jumps cost
+// less) and items must stay plentiful (a top-8 decode of 9.4 MB experts makes ~150 items
+// of 512 KB), so the size steps down: 512 KB up to 4 threads, 256 KB at 8, 128 KB from 16.
+int64_t item_bytes() {
+  const int64_t n = std::max(1, ExpertPool::get().threads());
+  return std::max<int64_t>(128 << 10, (int64_t{512} << 10) * 4 / std::max<int64_t>(4, n));
+}
 constexpr int64_t kColBlock = 512;  // out columns per phase-3 item
 
 // State shared by the chunk jobs of one call. Holds references to the tensors
@@ -205,8 +210,9 @@ class MoeChunkJob final : public ItemJob {
       local_[p] = static_cast<int32_t>(e - t0_ * K);
     }
     const int64_t ne = static_cast<int64_t>(experts_.size());
-    const int64_t J = std::clamp<int64_t>(kItemBytes / std::max<int64_t>(1, 4 * H), 1, std::max<int64_t>(1, I));
-    int64_t R2 = std::max<int64_t>(8, kItemBytes / std::max<int64_t>(1, 2 * I) / 8 * 8);
+    const int64_t item = item_bytes();
+    const int64_t J = std::clamp<int64_t>(item / std::max<int64_t>(1, 4 * H), 1, std::max<int64_t>(1, I));
+    int64_t R2 = std::max<int64_t>(8, item / std::max<int64_t>(1, 2 * I) / 8 * 8);
     R2 = std::min(R2, H);
     p1_total_.reset(new int32_t[std::max<int64_t>(ne, 1)]);
     p1_done_.reset(new std::atomic<int32_t>[std::max<int64_t>(ne, 1)]);

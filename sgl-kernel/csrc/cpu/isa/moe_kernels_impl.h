@@ -302,14 +302,14 @@ static void dot_tile(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16
   // so each thread reads its rows as one sequential stream (the next row's line is prefetched
   // 4 KB ahead), the pattern the read bandwidth figure is measured with. Tiles of R rows read
   // R streams 4 KB apart instead. Measured here (Zen 4, one thread, 256 cold Qwen3-30B-A3B
-  // experts): 21 -> 26 GB/s at one token per expert, 19 -> 22 at two, 19 -> 20 at four, and
-  // 22 -> 19 at three. Every dot's arithmetic is the same for any R (its own accumulator,
-  // the same reduction tree), so outputs do not change.
+  // experts): 21 -> 26 GB/s at one token per expert, 19 -> 22 at two, 19 -> 20 at four; at
+  // three, tiles of 4 rows stay ahead (22 against 19), so three keep them. Every dot's
+  // arithmetic is the same for any R (its own accumulator, the same reduction tree), so
+  // outputs do not change.
   if constexpr (DECODE_ROW_STREAM) {
-    if (cols <= DOT_CMAX) {
+    if (cols <= DOT_CMAX && cols != 3) {
       if (cols == 1) dot_rows<1, 1>(w, w_rs, rows, x, cols, n, y);
       if (cols == 2) dot_rows<2, 1>(w, w_rs, rows, x, cols, n, y);
-      if (cols == 3) dot_rows<3, 1>(w, w_rs, rows, x, cols, n, y);
       if (cols == 4) dot_rows<4, 1>(w, w_rs, rows, x, cols, n, y);
       return;
     }

@@ -272,6 +272,7 @@ class ExpertSlotCache:
         instead of at the first forward. Returns the fill-list capacity to use.
 
         Raises:
+            RuntimeError: the CUDA kernels were not built.
             ValueError: more routed experts per layer than the kernel handles, or an explicit
                 ``--expert-cache-max-fills`` above its fill-list capacity.
         """
@@ -280,6 +281,14 @@ class ExpertSlotCache:
             CUDA_MAX_FILL,
         )
 
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(
+            "sgl_kernel::expert_cache_control", "CUDA"
+        ):
+            raise RuntimeError(
+                "--enable-expert-cache on CUDA needs sgl_kernel_fork built with its CUDA kernels "
+                "(sgl_kernel_fork._C_cuda); rerun `make setup` on this machine with the CUDA "
+                "toolkit (nvcc) installed"
+            )
         if self.num_experts > CUDA_MAX_EXPERTS:
             raise ValueError(
                 f"--enable-expert-cache on CUDA handles at most {CUDA_MAX_EXPERTS} routed experts "
@@ -599,8 +608,11 @@ class ExpertSlotCache:
         Keys: hits, misses, fills, cpu_experts (distinct experts per layer call, summed over
         calls), calls (layer calls), slots, occupied_slots, fill_ratio (B_P / B_H).
         """
-        hits, misses, fills, cpu = (int(v) for v in self.stats.tolist())
-        calls = int(self.clock.item()) if self.clock is not None else 0
+        if not self.finalized:
+            hits = misses = fills = cpu = calls = 0
+        else:
+            hits, misses, fills, cpu = (int(v) for v in self.stats.tolist())
+            calls = int(self.clock.item())
         occupied = int((self.id_of_slot >= 0).sum()) if self.num_slots else 0
         return dict(
             hits=hits,

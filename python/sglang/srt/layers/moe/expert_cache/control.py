@@ -1,4 +1,5 @@
-"""Expert-cache control: thin wrappers over the ``torch.ops.sgl_kernel`` ops, and their fixed-shape buffers.
+"""Expert-cache control: thin wrappers over the ``torch.ops.sgl_kernel`` ops, and their
+fixed-shape buffers.
 
 FreeToken (paper §3.2, §4.1 "Device-side cache control") keeps one LRU pool of ``S`` GPU expert
 slots shared by all MoE layers. Per MoE layer, one op call

@@ -138,11 +138,13 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
         if getattr(parallel, name, 1) > 1:
             problems.append(f"--{name.replace('_', '-')} must be 1 (one device only)")
     if getattr(moe, "enable_paged_experts", False):
-        problems.append("--enable-paged-experts and --enable-expert-cache exclude each other (drop one)")
+        problems.append(
+            "--enable-paged-experts and --enable-expert-cache exclude each other (drop one)"
+        )
     if not isinstance(base_method, UnquantizedFusedMoEMethod):
         problems.append(
-            f"{type(base_method).__name__} experts are not supported yet: serve the bf16 checkpoint "
-            "(no --quantization) or drop --enable-expert-cache"
+            f"{type(base_method).__name__} experts are not supported yet: serve the bf16 "
+            "checkpoint (no --quantization) or drop --enable-expert-cache"
         )
     cfg = layer.moe_runner_config
     if cfg.activation != "silu" or not cfg.is_gated:
