@@ -94,13 +94,8 @@ if [ "$rebuild" = 1 ]; then
   # setuptools packs everything under build/lib.*: files of an earlier layout or of the other
   # machine kind (the CPU-only alias) must not ride along.
   rm -rf sgl-kernel/build/lib.* sgl-kernel/build/bdist.* sgl-kernel/python/*.egg-info
-  if has_cuda; then
-    echo "== building sgl-kernel/ (sgl_kernel_fork: CPU ops + CUDA sources; sgl_kernel stays upstream's)"
-    MAX_JOBS=${MAX_JOBS:-8} $PIP install --no-build-isolation --no-deps ./sgl-kernel
-  else
-    echo "== building sgl-kernel/ (sgl_kernel_fork + its sgl_kernel alias: CPU ops)"
-    MAX_JOBS=${MAX_JOBS:-2} $PIP install --no-build-isolation --no-deps ./sgl-kernel
-  fi
+  echo "== building sgl-kernel/ (sgl_kernel_fork$(has_cuda && echo ': CPU ops + CUDA sources' || echo ' + its sgl_kernel alias: CPU ops'))"
+  MAX_JOBS=${MAX_JOBS:-$(has_cuda && echo 8 || echo 2)} $PIP install --no-build-isolation --no-deps ./sgl-kernel
   echo "$kernel_hash" > "$VENV/.sgl-kernel-stamp"
 fi
 echo "== setup done: $PY"

@@ -27,9 +27,9 @@
 // (set, row), and three kinds of work items are handed out in this order from
 // one atomic counter:
 //   1. (expert, block of intermediate indices [j0,j1)): gate rows j0..j1 and
-//      up rows I+j0..I+j1 of w13 (~512 KB of weights, less with many threads: item_bytes), dotted with every token
-//      of the expert, then h for those indices;
-//   2. (expert, block of rows of w2, ~512 KB): dotted with the h of every token
+//      up rows I+j0..I+j1 of w13 (item_bytes(): ~512 KB of weights, less with many
+//      threads), dotted with every token of the expert, then h for those indices;
+//   2. (expert, block of rows of w2, ~item_bytes()): dotted with the h of every token
 //      of the expert; starts once all phase-1 items of its expert are done;
 //   3. (token, block of columns): the k-sum into out, once phase 2 is done.
 // Each item streams one disjoint contiguous slice of weights, so decode (few

@@ -90,13 +90,18 @@ static inline __attribute__((always_inline)) void reduce_tile(__m512 (&acc)[R][C
 #if SGLK_MOE_DPBF16
 
 static constexpr int DOT_CMAX = 4;
+// Decode rows per tile for C tokens on an expert. One row at a time makes each thread read
+// its rows as one sequential stream (the next row's line prefetched 4 KB ahead), the pattern
+// the read-bandwidth figure is measured with; a tile of R rows reads R streams 4 KB apart.
+// One vdpbf16ps consumes a whole cache line, so a single row keeps up. Measured here (Zen 4,
+// one thread, 256 cold Qwen3-30B-A3B experts), tiles of 8/6/4 rows -> one row: 21 -> 26 GB/s
+// at one token, 19 -> 22 at two, 19 -> 20 at four; at three, 4-row tiles stay ahead (22
+// against 19).
 template <int C>
 struct DotRows {
-  static constexpr int R = C == 1 ? 8 : C == 2 ? 6 : 4;
+  static constexpr int R = C == 3 ? 4 : 1;
 };
-// Decode streams each weight row once and one vdpbf16ps consumes a whole cache line, so
-// the kernel keeps up with one sequential stream per thread: see dot_tile.
-static constexpr bool DECODE_ROW_STREAM = true;
+static constexpr int PREFILL_ROWS = 4;  // more than DOT_CMAX tokens: tiles of 4 rows x 4 tokens
 
 template <int R, int C, bool PF>
 static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n, float* const* y,
@@ -130,11 +135,12 @@ static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* co
 #elif SGLK_ISA_LEVEL == 2
 
 static constexpr int DOT_CMAX = 4;
+// More rows in flight when few tokens share the expert (one fma chain per row would bind).
 template <int C>
 struct DotRows {
   static constexpr int R = C == 1 ? 8 : C == 2 ? 6 : 4;
 };
-static constexpr bool DECODE_ROW_STREAM = false;  // one accumulator chain per row would bind
+static constexpr int PREFILL_ROWS = DotRows<DOT_CMAX>::R;
 
 static inline __attribute__((always_inline)) __m512 cvt16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -178,7 +184,7 @@ template <int C>
 struct DotRows {
   static constexpr int R = 4;
 };
-static constexpr bool DECODE_ROW_STREAM = false;  // one accumulator chain per row would bind
+static constexpr int PREFILL_ROWS = DotRows<DOT_CMAX>::R;
 
 template <int R, int C, bool PF>
 static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n, float* const* y,
@@ -220,7 +226,7 @@ template <int C>
 struct DotRows {
   static constexpr int R = 1;
 };
-static constexpr bool DECODE_ROW_STREAM = false;
+static constexpr int PREFILL_ROWS = DotRows<DOT_CMAX>::R;
 
 template <int R, int C, bool PF>
 static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t n, float* const* y,
@@ -287,7 +293,7 @@ struct RowRest<0, CM> {
 
 // Rows outer, columns inner: a tile of R weight rows stays in L1 while every
 // column (token) passes over it, which is what reuses weights in prefill.
-template <int CM, int R = DotRows<CM>::R>
+template <int CM, int R>
 static inline void dot_rows(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16_t* const* x, int64_t cols,
                             int64_t n, float* const* y) {
   int64_t r = 0;
@@ -298,36 +304,22 @@ static inline void dot_rows(const uint16_t* w, int64_t w_rs, int64_t rows, const
 static void dot_tile(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16_t* const* x, int64_t cols, int64_t n,
                      float* const* y) {
   if (rows <= 0 || cols <= 0) return;
-  // Decode (at most DOT_CMAX tokens on the expert) with vdpbf16ps: one weight row at a time,
-  // so each thread reads its rows as one sequential stream (the next row's line is prefetched
-  // 4 KB ahead), the pattern the read bandwidth figure is measured with. Tiles of R rows read
-  // R streams 4 KB apart instead. Measured here (Zen 4, one thread, 256 cold Qwen3-30B-A3B
-  // experts): 21 -> 26 GB/s at one token per expert, 19 -> 22 at two, 19 -> 20 at four; at
-  // three, tiles of 4 rows stay ahead (22 against 19), so three keep them. Every dot's
-  // arithmetic is the same for any R (its own accumulator, the same reduction tree), so
-  // outputs do not change.
-  if constexpr (DECODE_ROW_STREAM) {
-    if (cols <= DOT_CMAX && cols != 3) {
-      if (cols == 1) dot_rows<1, 1>(w, w_rs, rows, x, cols, n, y);
-      if (cols == 2) dot_rows<2, 1>(w, w_rs, rows, x, cols, n, y);
-      if (cols == 4) dot_rows<4, 1>(w, w_rs, rows, x, cols, n, y);
-      return;
-    }
-  }
-  // otherwise the row-tile height follows the column count (more rows in
-  // flight when few tokens share the expert)
-  if (cols >= DOT_CMAX) {
-    dot_rows<DOT_CMAX>(w, w_rs, rows, x, cols, n, y);
+  // Prefill (more tokens than DOT_CMAX): tiles of PREFILL_ROWS rows x DOT_CMAX tokens. Decode:
+  // the level's DotRows for the token count. Every dot's arithmetic is the same for any tile
+  // shape (its own accumulator, the same reduction tree), so outputs do not depend on it.
+  if (cols > DOT_CMAX) {
+    dot_rows<DOT_CMAX, PREFILL_ROWS>(w, w_rs, rows, x, cols, n, y);
     return;
   }
+  if (cols == 1) dot_rows<1, DotRows<1>::R>(w, w_rs, rows, x, cols, n, y);
   if constexpr (DOT_CMAX > 1) {
-    if (cols == 1) dot_rows<1>(w, w_rs, rows, x, cols, n, y);
+    if (cols == 2) dot_rows<2, DotRows<2>::R>(w, w_rs, rows, x, cols, n, y);
   }
   if constexpr (DOT_CMAX > 2) {
-    if (cols == 2) dot_rows<2>(w, w_rs, rows, x, cols, n, y);
+    if (cols == 3) dot_rows<3, DotRows<3>::R>(w, w_rs, rows, x, cols, n, y);
   }
   if constexpr (DOT_CMAX > 3) {
-    if (cols == 3) dot_rows<3>(w, w_rs, rows, x, cols, n, y);
+    if (cols == 4) dot_rows<4, DotRows<4>::R>(w, w_rs, rows, x, cols, n, y);
   }
 }
 
