@@ -26,7 +26,7 @@ test: setup check-patches
 	$(PY) -m pytest test -q -ra
 
 bench-replay: setup model
-	$(PY) benchmark/agent_replay.py --traces $(TRACES)
+	$(PY) benchmark/e2e/agent_replay.py --traces $(TRACES)
 
 clean:
 	rm -rf .venv .models .cache sgl-kernel/build

@@ -23,7 +23,7 @@ $PY -c "import sgl_kernel_fork, torch; print('sgl_kernel_fork', sgl_kernel_fork.
 $PY -c "import sgl_kernel, sgl_kernel_fork; print('upstream sgl_kernel beside it:', sgl_kernel.__file__)" 2>&1 | tail -1
 $PY -c "import sgl_kernel_fork._C_cuda" || { echo "FAILED: sgl_kernel_fork._C_cuda did not build; every CUDA test would skip"; exit 1; }
 $PY -m pytest -q -ra test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py test/expert_cache/test_cuda_sources.py 2>&1 | tail -25
-$PY benchmark/expert_cache_control.py --device cuda 2>&1 | tail -8
+$PY benchmark/expert_cache/bench_control.py --device cuda 2>&1 | tail -8
 # Anchor checkpoints on CUDA (same code path as the CPU, CUDA kernels): the e2e test starts the
 # tiny hybrid model through scripts/serve.sh, which runs on CUDA when nvidia-smi sees a GPU.
 # Needs sglang importable by $PY (make setup on the GPU machine); skipped otherwise.

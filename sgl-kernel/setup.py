@@ -40,7 +40,7 @@ def rel(paths):
 
 
 cpu_sources = rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-cpu_sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "isa", "kernels_*.cpp")))
+cpu_sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "isa", "*.cpp")))
 
 cxx_flags = [
     "-O3",

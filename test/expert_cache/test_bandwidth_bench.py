@@ -1,11 +1,11 @@
-"""``benchmark/expert_cache_bandwidth.py`` runs end to end on small shapes and prints its line."""
+"""``benchmark/expert_cache/bench_bandwidth.py`` runs end to end on small shapes and prints its line."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "expert_cache_bandwidth.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "expert_cache" / "bench_bandwidth.py"
 
 
 def test_bandwidth_benchmark_prints_measured_figures():

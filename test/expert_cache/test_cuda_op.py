@@ -181,7 +181,7 @@ def _branch_problem(T, K=8, H=128, I=64, N=48, seed=0):
 
 
 def test_cpu_branch_enqueue_matches_the_executor():
-    from sgl_kernel_fork.expert_executor import CpuBranchPlan, moe_experts_cpu
+    from sgl_kernel_fork.cpu_executor import CpuBranchPlan, moe_experts_cpu
 
     x, tw, rows, w13, w2 = _branch_problem(5)
     plan = CpuBranchPlan(16, 8, w13, w2)
@@ -195,7 +195,7 @@ def test_cpu_branch_enqueue_matches_the_executor():
 
 def test_cpu_branch_is_captured_in_a_cuda_graph_and_replays_new_inputs():
     """Fork to a side stream, enqueue, join: captured once, replayed on new routing."""
-    from sgl_kernel_fork.expert_executor import CpuBranchPlan, moe_experts_cpu
+    from sgl_kernel_fork.cpu_executor import CpuBranchPlan, moe_experts_cpu
 
     x, tw, rows, w13, w2 = _branch_problem(4, seed=1)
     plan = CpuBranchPlan(8, 8, w13, w2)

@@ -1,4 +1,4 @@
-"""benchmark/expert_cache_missrate.py: the placement policies it simulates and its CLI.
+"""benchmark/expert_cache/bench_missrate.py: the placement policies it simulates and its CLI.
 
 * LRU (shared pool and per-layer pools) against a plain reference model (timestamps, victim =
   oldest slot not routed in the current call) on random traces;
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "expert_cache_missrate.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "expert_cache" / "bench_missrate.py"
 _spec = importlib.util.spec_from_file_location("expert_cache_missrate", SCRIPT)
 mr = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = mr  # dataclasses resolve annotations through sys.modules

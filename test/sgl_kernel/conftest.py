@@ -35,9 +35,6 @@ def _available_isas(names=("avx512", "avx2", "scalar")):
 
 
 ISAS = _available_isas()
-# The expert executor has one more level: avx512bf16 (vdpbf16ps dots); for the
-# other ops it runs the avx512 kernels, so only the executor's tests sweep it.
-MOE_ISAS = _available_isas(("avx512bf16", "avx512", "avx2", "scalar"))
 
 
 @pytest.fixture(params=ISAS)
@@ -47,13 +44,6 @@ def isa(request):
     yield request.param
     torch.ops.sgl_kernel.set_cpu_isa("auto")
 
-
-@pytest.fixture(params=MOE_ISAS)
-def moe_isa(request):
-    """Run the test once per expert-executor kernel level this CPU supports."""
-    torch.ops.sgl_kernel.set_cpu_isa(request.param)
-    yield request.param
-    torch.ops.sgl_kernel.set_cpu_isa("auto")
 
 
 @pytest.fixture(autouse=True)

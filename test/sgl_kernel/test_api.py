@@ -58,7 +58,7 @@ def test_sgl_kernel_is_the_fork_alias_on_cpu():
     objects, so upstream's ``from sgl_kernel.mamba import ...`` reaches our ops."""
     import sgl_kernel_fork
 
-    for name in ("expert_executor", "mamba", "ops", "speculative"):
+    for name in ("cpu_executor", "mamba", "ops", "speculative"):
         assert importlib.import_module(f"sgl_kernel.{name}") is getattr(sgl_kernel_fork, name)
     assert all(getattr(sgl_kernel, n) is getattr(sgl_kernel_fork, n) for n in sgl_kernel.__all__)
 

@@ -14,7 +14,7 @@ import sgl_kernel_fork as _fork
 from sgl_kernel_fork import *  # noqa: F401,F403
 from sgl_kernel_fork import __all__, __version__  # noqa: F401
 
-for _name in ("expert_executor", "mamba", "ops", "speculative"):
+for _name in ("cpu_executor", "mamba", "ops", "speculative"):
     sys.modules[f"{__name__}.{_name}"] = getattr(_fork, _name)
     globals()[_name] = getattr(_fork, _name)
 del _name

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "isa/kernel_args.h"
-#include "isa/moe_kernel_args.h"
+#include "isa/cpu_executor_args.h"
 
 namespace sglk {
 

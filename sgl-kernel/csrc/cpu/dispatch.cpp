@@ -1,7 +1,7 @@
 // Runtime selection of the SIMD kernel tables.
 //
 // The kernels are compiled once per ISA level (isa/kernels_{scalar,avx2,
-// avx512}.cpp and isa/kernels_moe_{scalar,avx2,avx512,avx512bf16}.cpp) and the
+// avx512}.cpp and isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp) and the
 // best level the running CPU supports is picked on first use, so the extension
 // runs on any x86-64 (and any other architecture through the scalar build).
 // Levels, best first:

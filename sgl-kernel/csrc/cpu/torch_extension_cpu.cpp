@@ -101,7 +101,7 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   // sampling
   m.def("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor");
 
-  // CPU expert executor (python/sgl_kernel_fork/expert_executor.py)
+  // CPU expert executor (python/sgl_kernel_fork/cpu_executor.py)
   m.def(
       "moe_experts_cpu(Tensor hidden, Tensor topk_weights, Tensor[] expert_rows, Tensor[] w13, Tensor[] w2, "
       "Tensor(a!) out, bool accumulate) -> ()");
@@ -112,7 +112,7 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def("expert_pool_set_threads(int n) -> int", &sglk::expert_pool_set_threads);
   m.def("expert_pool_info() -> str", &sglk::expert_pool_info);
   m.def("expert_pool_read_bandwidth(Tensor buffer, int passes) -> float");
-  // fixed-address plans for the CUDA stream branch (csrc/cpu/moe_experts_plan.cpp)
+  // fixed-address plans for the CUDA stream branch (csrc/cpu/cpu_executor_plan.cpp)
   m.def(
       "moe_experts_cpu_plan(Tensor staging_hidden, Tensor staging_weights, Tensor staging_rows, Tensor[] w13, "
       "Tensor[] w2, Tensor staging_out) -> int");

@@ -29,7 +29,7 @@ Contents:
   ``copy_all_layer_kv_cache_cpu`` (memory management);
 * :mod:`sgl_kernel_fork.mamba`: ``causal_conv1d_fn_cpu``,
   ``causal_conv1d_update_cpu``, ``chunk_gated_delta_rule_cpu``;
-* :mod:`sgl_kernel_fork.expert_executor`: the CPU expert executor
+* :mod:`sgl_kernel_fork.cpu_executor`: the CPU expert executor
   (``moe_experts_cpu``, ``moe_experts_cpu_submit`` / ``moe_experts_cpu_wait``,
   ``expert_pool_set_threads``, ``expert_pool_info``,
   ``expert_pool_read_bandwidth``; ops of the same names in
@@ -51,7 +51,7 @@ from . import _C  # noqa: F401  (registers torch.ops.sgl_kernel.*)
 if importlib.util.find_spec(__name__ + "._C_cuda") is not None:  # CUDA build only
     from . import _C_cuda  # noqa: F401
 
-from . import expert_executor, mamba, ops, speculative  # noqa: E402
+from . import cpu_executor, mamba, ops, speculative  # noqa: E402
 from .ops import (  # noqa: E402
     assign_req_to_token_pool_cpu,
     copy_all_layer_kv_cache_cpu,
@@ -76,7 +76,7 @@ __all__ = [
     "copy_all_layer_kv_cache_cpu",
     "cpu_isa",
     "set_cpu_isa",
-    "expert_executor",
+    "cpu_executor",
     "mamba",
     "ops",
     "speculative",

@@ -549,7 +549,7 @@ class ExpertSlotCache:
     def _cpu_branch(self):
         """(plan, side stream) of the stream CPU branch, made on first use."""
         if self._branch is None:
-            from sgl_kernel_fork.expert_executor import CpuBranchPlan
+            from sgl_kernel_fork.cpu_executor import CpuBranchPlan
 
             plan = CpuBranchPlan(
                 stream_branch_tokens(), self.top_k, self.host["w13"], self.host["w2"]

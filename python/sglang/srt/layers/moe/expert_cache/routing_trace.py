@@ -8,7 +8,7 @@ One JSON line per MoE layer call::
 ``experts`` are the distinct layer-local routed ids of the call (sorted), ``counts`` the tokens
 routed to each; ``step`` counts forward passes (it advances when a layer id is not above the
 previous call's); ``phase`` is the forward mode of the batch (``prefill`` for extend/mixed
-batches). ``benchmark/expert_cache_missrate.py --trace PATH`` replays such a file.
+batches). ``benchmark/expert_cache/bench_missrate.py --trace PATH`` replays such a file.
 """
 
 from __future__ import annotations

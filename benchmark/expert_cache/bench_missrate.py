@@ -5,8 +5,8 @@ The question (paper §2.2, §3.2, §5.3 Fig. 4b): at a given GPU expert capacity
 the experts that decode routes to are not resident, under FreeToken's shared LRU slot cache and
 under the placements of existing engines?
 
-    python benchmark/expert_cache_missrate.py                      # synthetic trace (default)
-    python benchmark/expert_cache_missrate.py --trace routing.jsonl
+    python benchmark/expert_cache/bench_missrate.py                      # synthetic trace (default)
+    python benchmark/expert_cache/bench_missrate.py --trace routing.jsonl
 
 Trace (``--trace``): JSONL, one line per MoE layer call, as the server's routing recorder writes
 it::

@@ -4,8 +4,8 @@ The paper splits each decode step's expert-cache misses into cache fills and a
 CPU execution set; the experts of that set run here, on a persistent pool of
 threads pinned to physical cores, reading bf16 expert banks in place (no weight
 copy). On CPU-only machines the same op computes every routed expert (prefill
-chunks included). C++ in ``csrc/cpu/moe_experts.cpp`` (op),
-``csrc/cpu/expert_pool.cpp`` (threads) and ``csrc/cpu/isa/moe_kernels_impl.h``
+chunks included). C++ in ``csrc/cpu/cpu_executor.cpp`` (op),
+``csrc/cpu/cpu_executor_pool.cpp`` (threads) and ``csrc/cpu/isa/cpu_executor_kernels.h``
 (SIMD kernels: avx512bf16 with ``vdpbf16ps``, avx512, avx2, scalar; chosen like
 every other op by ``sgl_kernel_fork.cpu_isa()`` / ``SGLANG_CPU_KERNEL_ISA``).
 
@@ -164,7 +164,7 @@ def expert_pool_read_bandwidth(buffer: torch.Tensor, passes: int = 1) -> float:
     contiguous CPU tensor; use one far larger than the last-level cache)
     ``passes`` times with full-width SIMD loads; wall time of the whole job,
     thread wake-up included. This is the ceiling the decode path is compared
-    with (``benchmark/cpu_expert_kernel.py``).
+    with (``benchmark/cpu_executor/bench_kernel.py``).
 
     Raises:
         RuntimeError: non-contiguous or non-CPU buffer, ``passes < 1``, or a
@@ -183,7 +183,7 @@ class CpuBranchPlan:
     :func:`moe_experts_cpu` on those rows with the plan's banks, and (3) a copy of the result
     into ``out`` on the device. Nothing blocks the host and every address is fixed here, so a
     decode step that calls it inside ``torch.cuda.graph()`` captures the branch and replays it.
-    C++: ``csrc/cpu/moe_experts_plan.cpp``, ``csrc/cuda/cpu_branch_binding.cpp``.
+    C++: ``csrc/cpu/cpu_executor_plan.cpp``, ``csrc/cuda/cpu_branch_binding.cpp``.
 
     Calls of one plan must be ordered on one stream (they share the staging rows): one plan per
     stream of layer calls (two-batch overlap would need two). The plan lives until the process

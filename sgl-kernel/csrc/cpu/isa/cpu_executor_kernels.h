@@ -1,12 +1,12 @@
 // SIMD kernels of the CPU expert executor, compiled once per ISA level.
-// Included by isa/kernels_moe_{scalar,avx2,avx512,avx512bf16}.cpp, which define
+// Included by isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp, which define
 //   SGLK_ISA_LEVEL     0 | 1 | 2   (the vec.h level: scalar, AVX2+FMA, AVX-512)
 //   SGLK_MOE_DPBF16    0 | 1       (1: bf16 dots with vdpbf16ps, AVX512_BF16)
 //   SGLK_MOE_NAME      the level's name
 // and switch the target ISA before including this file. Everything below has
 // internal linkage; no torch/STL header (see kernel_args.h for why).
 //
-// Dot products (see moe_kernel_args.h for the exactness contract):
+// Dot products (see cpu_executor_args.h for the exactness contract):
 //  * avx512bf16: 32 bf16 pairs per step, acc = vdpbf16ps(acc, w, x) (each lane
 //    adds two exact bf16 x bf16 products, rounding to nearest-even; denormal
 //    inputs and outputs are flushed to zero by the instruction);
@@ -16,7 +16,7 @@
 // The last partial chunk is loaded zero-padded (masked load, or a padded copy on
 // AVX2); each dot ends with one horizontal sum of its accumulator vector.
 
-#include "moe_kernel_args.h"
+#include "cpu_executor_args.h"
 
 namespace sglk {
 namespace {

@@ -1,9 +1,9 @@
 // Plain-data interface of the CPU expert executor's SIMD kernels (see
-// moe_experts.cpp for the operator and expert_pool.cpp for the threads).
+// cpu_executor.cpp for the operator and cpu_executor_pool.cpp for the threads).
 // Same rules as kernel_args.h: POD and `static` helpers only, no torch/STL.
 //
 // The kernels are compiled once per ISA level in
-// isa/kernels_moe_{scalar,avx2,avx512,avx512bf16}.cpp; dispatch.cpp picks the
+// isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp; dispatch.cpp picks the
 // table of the selected level.
 //
 // Exactness contract (what the executor's bit-identical merge rests on): within
@@ -49,7 +49,7 @@ struct MoeKernels {
 
 }  // namespace sglk
 
-// Defined in isa/kernels_moe_{scalar,avx2,avx512,avx512bf16}.cpp; the SIMD
+// Defined in isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp; the SIMD
 // getters return null when the build has no x86 SIMD.
 extern "C" const sglk::MoeKernels* sglk_moe_kernels_scalar();
 extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx2();

@@ -1,5 +1,5 @@
-// Persistent pinned worker pool of the CPU expert executor (see expert_pool.h).
-#include "expert_pool.h"
+// Persistent pinned worker pool of the CPU expert executor (see cpu_executor_pool.h).
+#include "cpu_executor_pool.h"
 
 #include <sched.h>
 #include <unistd.h>

@@ -6,7 +6,7 @@ Upstream 0.5.23 runs an unquantized ``FusedMoE`` layer on the CPU with
 else it falls back to ``moe_forward_native``, a Python loop over the experts with one bf16
 ``torch.mm`` pair per expert that holds a token. On this project's machines (AVX-512 BF16, no
 AMX) that loop is most of a short prefill's time: about 0.9 s per layer call for 150 tokens of
-the tiny 64-expert model in the server on a loaded machine; ``benchmark/cpu_moe_layer.py``
+the tiny 64-expert model in the server on a loaded machine; ``benchmark/cpu_executor/bench_resident_layer.py``
 puts one layer call at 184 ms for 1 token and 72 ms for 150 against 0.2 ms and 13 ms here,
 because each small matmul pays a fixed cost. Patch ``0032-cpu-moe-expert-executor`` sends such
 layers here instead: one ``sgl_kernel.moe_experts_cpu`` call over the layer's own
@@ -45,7 +45,7 @@ def _executor_op():
 
 
 _UNSET = object()
-_REASON_ATTR = "_cpu_experts_unsupported"  # the layer's cached verdict (None: supported)
+_REASON_ATTR = "_cpu_executor_unsupported"  # the layer's cached verdict (None: supported)
 
 
 def _layer_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
@@ -103,7 +103,7 @@ def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_confi
     return reason
 
 
-def cpu_experts_forward(
+def cpu_executor_forward(
     layer: torch.nn.Module, x: torch.Tensor, topk_output, moe_runner_config
 ) -> Optional[torch.Tensor]:
     """The routed-expert output of one resident MoE layer call on the CPU executor.

@@ -1,10 +1,10 @@
-"""Resident bf16 MoE layers on the CPU executor (``sglang.srt.layers.moe.cpu_experts``, patch 0032).
+"""Resident bf16 MoE layers on the CPU executor (``sglang.srt.layers.moe.cpu_executor``, patch 0032).
 
 Reference: float64 from the formula, per (t, k) ``g, u = w13[:I] @ x, w13[I:] @ x``,
 ``h = bf16(silu(g) * u)`` (the executor's one documented intermediate rounding), ``y = w2 @ h``,
 ``out[t] = sum_k w[t, k] * y``, then the output's bf16 rounding. Tolerance: one bf16 ulp of the
 output (2^-8 relative) plus the executor's fp32/polynomial-exp error (2e-3, see
-test/sgl_kernel/test_moe_experts_cpu.py); a wrong gate/up order, a missing SiLU, a dropped
+test/cpu_executor/test_kernel.py); a wrong gate/up order, a missing SiLU, a dropped
 router weight or a wrong expert gives O(1) errors. Upstream's ``moe_forward_native`` (bf16 at
 every step) must agree with the same reference within its own coarser tolerance, which shows the
 two paths compute the same function.
@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from sglang.srt.layers.moe import cpu_experts
+from sglang.srt.layers.moe import cpu_executor
 from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
 from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
 
@@ -63,7 +63,7 @@ def test_matches_float64_reference_and_upstream_native():
     layer = make_layer()
     x, topk = make_routing()
     cfg = MoeRunnerConfig()
-    got = cpu_experts.cpu_experts_forward(layer, x, topk, cfg)
+    got = cpu_executor.cpu_executor_forward(layer, x, topk, cfg)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == x.shape
     ref = reference(layer, x, topk)
     torch.testing.assert_close(got.double(), ref, atol=ATOL, rtol=RTOL)
@@ -76,7 +76,7 @@ def test_padding_ids_contribute_nothing():
     x, (w, ids, _) = make_routing()
     ids = ids.clone()
     ids[::3, -1] = -1
-    got = cpu_experts.cpu_experts_forward(layer, x, (w, ids, None), MoeRunnerConfig())
+    got = cpu_executor.cpu_executor_forward(layer, x, (w, ids, None), MoeRunnerConfig())
     torch.testing.assert_close(got.double(), reference(layer, x, (w, ids, None)), atol=ATOL, rtol=RTOL)
 
 
@@ -86,7 +86,7 @@ def test_out_of_range_expert_id_is_an_error():
     ids = ids.clone()
     ids[0, 0] = 12
     with pytest.raises(RuntimeError):
-        cpu_experts.cpu_experts_forward(layer, x, (w, ids, None), MoeRunnerConfig())
+        cpu_executor.cpu_executor_forward(layer, x, (w, ids, None), MoeRunnerConfig())
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -101,16 +101,16 @@ def test_out_of_range_expert_id_is_an_error():
 def test_unsupported_layers_keep_upstreams_path(change, reason):
     layer, cfg = change(make_layer(), MoeRunnerConfig())
     x, topk = make_routing()
-    why = cpu_experts.unsupported_reason(layer, x, cfg)
+    why = cpu_executor.unsupported_reason(layer, x, cfg)
     assert why is not None and reason in why
-    assert cpu_experts.cpu_experts_forward(layer, x, topk, cfg) is None
+    assert cpu_executor.cpu_executor_forward(layer, x, topk, cfg) is None
 
 
 def test_env_keeps_upstreams_loop(monkeypatch):
-    monkeypatch.setenv(cpu_experts.ENV_BACKEND, "native")
+    monkeypatch.setenv(cpu_executor.ENV_BACKEND, "native")
     layer = make_layer()
     x, topk = make_routing()
-    assert cpu_experts.cpu_experts_forward(layer, x, topk, MoeRunnerConfig()) is None
+    assert cpu_executor.cpu_executor_forward(layer, x, topk, MoeRunnerConfig()) is None
 
 
 def test_patched_forward_cpu_uses_the_executor(monkeypatch):
@@ -129,12 +129,12 @@ def test_patched_forward_cpu_uses_the_executor(monkeypatch):
     layer.use_intel_amx_backend = False
     x, topk = make_routing()
     res = method.forward_cpu(layer, types.SimpleNamespace(hidden_states=x, topk_output=topk))
-    torch.testing.assert_close(res.hidden_states, cpu_experts.cpu_experts_forward(layer, x, topk, MoeRunnerConfig()),
+    torch.testing.assert_close(res.hidden_states, cpu_executor.cpu_executor_forward(layer, x, topk, MoeRunnerConfig()),
                                atol=0, rtol=0)
 
 
 def test_float32_activations_keep_upstreams_path():
     layer = make_layer()
     x, topk = make_routing()
-    assert cpu_experts.cpu_experts_forward(layer, x.float(), topk, MoeRunnerConfig()) is None
-    assert cpu_experts.cpu_experts_forward(layer, x, topk, MoeRunnerConfig()) is not None
+    assert cpu_executor.cpu_executor_forward(layer, x.float(), topk, MoeRunnerConfig()) is None
+    assert cpu_executor.cpu_executor_forward(layer, x, topk, MoeRunnerConfig()) is not None

@@ -1,6 +1,6 @@
 """Time one call of the per-layer expert-cache control op (FreeToken §4.1) on a realistic cache.
 
-    .venv/bin/python benchmark/expert_cache_control.py [--steps 40] [--device cpu]
+    .venv/bin/python benchmark/expert_cache/bench_control.py [--steps 40] [--device cpu]
 
 Setup: L = 48 MoE layers, E = 64 and 256 experts per layer, top-8, one slot pool of
 S = 25% of L*E shared by all layers, F = 8 and 16, policy qstar with fill_ratio 0.8. Routing has
@@ -40,7 +40,7 @@ import sgl_kernel_fork  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location(
-    "expert_cache_control_mod", HERE.parent / "python/sglang/srt/layers/moe/expert_cache/control.py"
+    "expert_cache_control_mod", HERE.parents[1] / "python/sglang/srt/layers/moe/expert_cache/control.py"
 )
 ec = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ec)

@@ -1,6 +1,6 @@
 // CPU expert executor (paper §3.2 CPU execution set C, §4.1 "Graph-resident CPU
 // execution"): routed experts computed on the host, from any number of expert
-// bank sets, on the persistent pinned pool of expert_pool.h.
+// bank sets, on the persistent pinned pool of cpu_executor_pool.h.
 //
 //   moe_experts_cpu(hidden [T,H] bf16, topk_weights [T,K] f32,
 //                   expert_rows[S] of [T,K] i32, w13[S] of [N_i,2I,H] bf16,
@@ -16,7 +16,7 @@
 // result.
 //
 // Exactness: every dot product is computed whole by one thread with the same
-// operation sequence wherever its row comes from (see isa/moe_kernel_args.h),
+// operation sequence wherever its row comes from (see isa/cpu_executor_args.h),
 // each (t,k) output is kept in its own fp32 scratch row, and the k-sum runs in
 // k order over those rows. So the value of a (t,k) term, and the output, are
 // bit-identical for any thread count, any split of the entries over sets, and
@@ -47,7 +47,7 @@
 #include <vector>
 
 #include "common.h"
-#include "expert_pool.h"
+#include "cpu_executor_pool.h"
 
 namespace sglk {
 namespace {
@@ -59,7 +59,7 @@ namespace {
 class ScratchCache {
  public:
   static ScratchCache& get() {
-    static ScratchCache* c = new ScratchCache();  // never deleted (see expert_pool.cpp)
+    static ScratchCache* c = new ScratchCache();  // never deleted (see cpu_executor_pool.cpp)
     return *c;
   }
   std::shared_ptr<char> take(size_t bytes) {

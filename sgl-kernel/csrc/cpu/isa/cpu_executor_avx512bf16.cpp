@@ -1,5 +1,5 @@
-// AVX2 + FMA build of the CPU expert executor's kernels
-// (moe_kernels_impl.h). The target ISA is raised for this file's own functions
+// AVX-512 + AVX512_BF16 (vdpbf16ps) build of the CPU expert executor's kernels
+// (cpu_executor_kernels.h). The target ISA is raised for this file's own functions
 // only (push/pop around the include); the table getter below is compiled for
 // the baseline ISA, and dispatch.cpp only hands the table out when the CPU
 // supports the level.
@@ -7,15 +7,15 @@
 #include <immintrin.h>
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #endif
 
-#define SGLK_ISA_LEVEL 1
-#define SGLK_MOE_DPBF16 0
-#define SGLK_MOE_NAME "avx2"
+#define SGLK_ISA_LEVEL 2
+#define SGLK_MOE_DPBF16 1
+#define SGLK_MOE_NAME "avx512bf16"
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 // GCC 12 reports its own _mm*_undefined_* helpers (inside the reduce
@@ -23,7 +23,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
-#include "moe_kernels_impl.h"
+#include "cpu_executor_kernels.h"
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -34,9 +34,9 @@
 #pragma GCC pop_options
 #endif
 
-extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx2() { return &sglk::kMoeTable; }
+extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx512bf16() { return &sglk::kMoeTable; }
 
 #else
-#include "moe_kernel_args.h"
-extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx2() { return nullptr; }
+#include "cpu_executor_args.h"
+extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx512bf16() { return nullptr; }
 #endif

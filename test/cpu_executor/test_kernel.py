@@ -1,4 +1,4 @@
-"""CPU expert executor (``sgl_kernel_fork.expert_executor``) vs a float64 torch reference.
+"""CPU expert executor (``sgl_kernel_fork.cpu_executor``) vs a float64 torch reference.
 
 The reference is written here from the formula (not from the op): per (t, k),
 ``g, u = w13[:I] @ x, w13[I:] @ x`` in float64 on the bf16 inputs,
@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from sgl_kernel_fork.expert_executor import (
+from sgl_kernel_fork.cpu_executor import (
     expert_pool_info,
     expert_pool_read_bandwidth,
     expert_pool_set_threads,
@@ -97,7 +97,7 @@ def threads_restored():
 
 
 @pytest.mark.parametrize("T,K,H,I,N", CASES)
-def test_matches_reference(moe_isa, T, K, H, I, N):
+def test_matches_reference(executor_isa, T, K, H, I, N):
     x, tw, rows, w13, w2 = make_problem(T, K, H, I, N)
     ref = reference(x, tw, rows, w13, w2)
     out = torch.full((T, H), float("nan"))
@@ -111,7 +111,7 @@ def test_matches_reference(moe_isa, T, K, H, I, N):
 
 
 @pytest.mark.parametrize("T", [1, 4, 300])
-def test_split_over_sets_is_bit_identical(moe_isa, T):
+def test_split_over_sets_is_bit_identical(executor_isa, T):
     x, tw, rows, w13, w2 = make_problem(T, 8, 72, 37, 24, seed=T)
     one = torch.empty(T, 72)
     moe_experts_cpu(x, tw, [rows], [w13], [w2], one)
@@ -274,7 +274,7 @@ def test_pool_info_and_read_bandwidth(threads_restored):
 
 # ---- fixed-address plans (the CUDA stream branch's CPU side; CpuBranchPlan) -------------------
 
-from sgl_kernel_fork.expert_executor import CpuBranchPlan  # noqa: E402
+from sgl_kernel_fork.cpu_executor import CpuBranchPlan  # noqa: E402
 
 
 def test_plan_run_is_bit_identical_to_a_direct_call():

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """One resident bf16 MoE layer call on the CPU: the executor path of patch 0032
-(``sglang.srt.layers.moe.cpu_experts``) against upstream's ``moe_forward_native``, same layer,
+(``sglang.srt.layers.moe.cpu_executor``) against upstream's ``moe_forward_native``, same layer,
 same routing, same run.
 
 Shapes default to the embedded tiny models (64 experts, top-8, hidden 256, expert intermediate
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from sglang.srt.layers.moe.cpu_experts import cpu_experts_forward
+from sglang.srt.layers.moe.cpu_executor import cpu_executor_forward
 from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
 from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
 
@@ -55,8 +55,8 @@ def main() -> None:
         x = torch.randn(t, a.hidden, generator=g).bfloat16()
         w, ids = torch.topk(torch.softmax(torch.randn(t, a.experts, generator=g), -1), a.top_k, dim=-1)
         topk = (w.float(), ids.int(), None)
-        assert cpu_experts_forward(layer, x, topk, cfg) is not None, "executor path unavailable"
-        t_exec = timed(lambda: cpu_experts_forward(layer, x, topk, cfg), a.reps)
+        assert cpu_executor_forward(layer, x, topk, cfg) is not None, "executor path unavailable"
+        t_exec = timed(lambda: cpu_executor_forward(layer, x, topk, cfg), a.reps)
         t_native = timed(lambda: moe_forward_native(layer, x, topk, cfg), a.reps)
         ratios[t] = t_native / t_exec
         print(f"tokens={t} executor_ms={t_exec * 1e3:.2f} native_ms={t_native * 1e3:.2f} ratio={ratios[t]:.1f}",

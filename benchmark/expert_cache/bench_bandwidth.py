@@ -1,6 +1,6 @@
 """How long the expert cache's startup measurement of B_P and B_H takes, on deployed shapes.
 
-    .venv/bin/python benchmark/expert_cache_bandwidth.py [--layers 2] [--experts 128] [--device cpu]
+    .venv/bin/python benchmark/expert_cache/bench_bandwidth.py [--layers 2] [--experts 128] [--device cpu]
 
 Builds an ``ExpertSlotCache`` with Qwen3-30B-A3B expert shapes (hidden 2048, expert
 intermediate 768, bf16, 9.4 MB per expert, top-8) over ``--layers`` x ``--experts`` experts in

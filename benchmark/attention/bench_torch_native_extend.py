@@ -1,7 +1,7 @@
 """Time one torch_native extend (one layer) on top of a long cached prefix:
 upstream's full-sequence loop vs the new-rows path (patch 0010).
 
-    python benchmark/bench_torch_native_extend.py [--prefix 8192] [--extend 128]
+    python benchmark/attention/bench_torch_native_extend.py [--prefix 8192] [--extend 128]
 """
 
 import argparse

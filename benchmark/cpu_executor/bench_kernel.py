@@ -52,7 +52,7 @@ torch, kt_ratio = ours / kt's best pool size in the same round (torch_gbps and
 kt_gbps are torch and kt's best at batch 1; nan without kt); *_best_* are the
 best rounds; load_avg is the 1-minute load average (start or end, the larger).
 
-    .venv/bin/python benchmark/cpu_expert_kernel.py [--threads N] [--experts 256]
+    .venv/bin/python benchmark/cpu_executor/bench_kernel.py [--threads N] [--experts 256]
         [--kt-path DIR] [--kt-backend auto|AVX2BF16_MOE|AMXBF16_MOE] [--kt-threads 1,2]
 """
 
@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 import sgl_kernel_fork  # noqa: F401  (registers torch.ops.sgl_kernel)
-from sgl_kernel_fork.expert_executor import (
+from sgl_kernel_fork.cpu_executor import (
     expert_pool_info,
     expert_pool_read_bandwidth,
     expert_pool_set_threads,
@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--prefill-experts", type=int, default=64)
     ap.add_argument("--prefill-rounds", type=int, default=2)
-    default_kt = Path(__file__).resolve().parents[1] / ".cache" / "kt"
+    default_kt = Path(__file__).resolve().parents[2] / ".cache" / "kt"
     ap.add_argument("--kt-path", default=str(default_kt) if default_kt.is_dir() else "",
                     help="directory holding kt-kernel (pip install --no-deps --target DIR kt-kernel), appended "
                     "to sys.path after our sgl_kernel_fork is imported (default: .cache/kt in the repo, if present)")

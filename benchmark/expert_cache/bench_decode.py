@@ -28,7 +28,7 @@ from pathlib import Path
 import requests
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test" / "e2e"))
 
 VARIANTS = [
