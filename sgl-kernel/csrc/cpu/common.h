@@ -16,7 +16,7 @@ namespace sglk {
 // Kernel table of the ISA selected at load time (see dispatch.cpp).
 const IsaKernels& kernels();
 // Kernel table of the CPU expert executor for the same level.
-const MoeKernels& moe_kernels();
+const CpuExecutorKernels& cpu_executor_kernels();
 // Name of the selected ISA level: "avx512bf16", "avx512", "avx2" or "scalar".
 std::string current_isa();
 // Select an ISA level by name ("auto", "avx512bf16", "avx512", "avx2",

@@ -127,7 +127,7 @@ struct MoeCall {
   std::vector<at::Tensor> rows, w13, w2;
   int64_t T = 0, K = 0, H = 0, I = 0;
   bool accumulate = false;
-  const MoeKernels* kern = nullptr;
+  const CpuExecutorKernels* kern = nullptr;
   std::vector<int32_t> set_of;  // [T*K]: set of entry t*K+k, or -1
   std::vector<int32_t> row_of;  // [T*K]: row in that set
   std::shared_ptr<char> scratch;
@@ -237,7 +237,7 @@ class MoeChunkJob final : public ItemJob {
 
   void gate_up(const Item& it) {
     const MoeCall& c = *c_;
-    const MoeKernels& k = *c.kern;
+    const CpuExecutorKernels& k = *c.kern;
     const Expert& ex = experts_[it.a];
     const int64_t H = c.H, I = c.I, m = ex.count, j0 = it.b0, nj = it.b1 - it.b0;
     thread_local std::vector<float> gu;
@@ -365,7 +365,7 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   c.H = H;
   c.I = I;
   c.accumulate = accumulate;
-  c.kern = &moe_kernels();
+  c.kern = &cpu_executor_kernels();
   std::vector<int64_t> N(S);
   for (size_t i = 0; i < S; ++i) {
     const at::Tensor& a = w13[i];
@@ -424,7 +424,7 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
 // slices, so each thread normally streams its own), `passes` times over.
 class ReadJob final : public ItemJob {
  public:
-  ReadJob(const char* p, int64_t bytes, int64_t passes, int nslices, const MoeKernels* k)
+  ReadJob(const char* p, int64_t bytes, int64_t passes, int nslices, const CpuExecutorKernels* k)
       : p_(p), slice_(bytes / nslices / 256 * 256), passes_(passes), nslices_(nslices), k_(k) {
     set_items(nslices);
   }
@@ -440,7 +440,7 @@ class ReadJob final : public ItemJob {
  private:
   const char* p_;
   int64_t slice_, passes_, nslices_;
-  const MoeKernels* k_;
+  const CpuExecutorKernels* k_;
   std::atomic<uint64_t> sink_{0};
 };
 
@@ -481,7 +481,7 @@ double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes) {
   ExpertPool& pool = ExpertPool::get();
   const int nw = pool.threads();
   TORCH_CHECK(bytes >= 256 * nw, "expert_pool_read_bandwidth: buffer too small (", buffer.nbytes(), " bytes)");
-  auto job = std::make_shared<ReadJob>(p + skip, bytes, passes, nw, &moe_kernels());
+  auto job = std::make_shared<ReadJob>(p + skip, bytes, passes, nw, &cpu_executor_kernels());
   const auto t0 = std::chrono::steady_clock::now();
   wait_and_release(pool, pool.submit({job}));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -345,7 +345,7 @@ std::string ExpertPool::info() {
     else
       cpus << (i ? "," : "") << "any";
   }
-  const MoeKernels& mk = moe_kernels();
+  const CpuExecutorKernels& mk = cpu_executor_kernels();
   o << "threads=" << s.nthreads << " pinned=" << ok << "/" << s.nthreads
     << (pin_enabled() ? "" : " (SGLANG_CPU_EXPERT_PIN=0)") << " cpus=" << cpus.str()
     << " physical_cores=" << s.topo.cores.size() << " allowed_cpus=" << s.topo.allowed << " topology=\""

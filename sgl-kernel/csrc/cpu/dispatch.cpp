@@ -1,8 +1,7 @@
 // Runtime selection of the SIMD kernel tables.
 //
-// The kernels are compiled once per ISA level (isa/kernels_{scalar,avx2,
-// avx512}.cpp and isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp) and the
-// best level the running CPU supports is picked on first use, so the extension
+// The kernels are compiled once per ISA level (the units of isa/isa_units.h)
+// and the best level the running CPU supports is picked on first use, so the extension
 // runs on any x86-64 (and any other architecture through the scalar build).
 // Levels, best first:
 //   avx512bf16  AVX-512 F/BW/VL/DQ + AVX512_BF16: the expert executor's bf16
@@ -20,6 +19,15 @@
 #include <string>
 
 #include "common.h"
+#include "isa/isa_units.h"
+
+// The table getter of every unit of isa/isa_units.h (defined by its generated .cpp).
+#define SGLK_ISA_TABLE_kernels sglk::IsaKernels
+#define SGLK_ISA_TABLE_cpu_executor sglk::CpuExecutorKernels
+#define SGLK_ISA_DECLARE_GETTER(family, name, level, target, dpbf16) \
+  extern "C" const SGLK_ISA_TABLE_##family* sglk_##family##_##name();
+SGLK_ISA_UNITS(SGLK_ISA_DECLARE_GETTER)
+#undef SGLK_ISA_DECLARE_GETTER
 
 namespace sglk {
 namespace {
@@ -56,14 +64,14 @@ bool cpu_has_avx512bf16() {
 struct Level {
   const char* name;
   const IsaKernels* isa;
-  const MoeKernels* moe;
+  const CpuExecutorKernels* cpu_executor;
 };
 
 const Level* level_for(const std::string& name) {
-  static const Level bf16{"avx512bf16", sglk_isa_kernels_avx512(), sglk_moe_kernels_avx512bf16()};
-  static const Level avx512{"avx512", sglk_isa_kernels_avx512(), sglk_moe_kernels_avx512()};
-  static const Level avx2{"avx2", sglk_isa_kernels_avx2(), sglk_moe_kernels_avx2()};
-  static const Level scalar{"scalar", sglk_isa_kernels_scalar(), sglk_moe_kernels_scalar()};
+  static const Level bf16{"avx512bf16", sglk_kernels_avx512(), sglk_cpu_executor_avx512bf16()};
+  static const Level avx512{"avx512", sglk_kernels_avx512(), sglk_cpu_executor_avx512()};
+  static const Level avx2{"avx2", sglk_kernels_avx2(), sglk_cpu_executor_avx2()};
+  static const Level scalar{"scalar", sglk_kernels_scalar(), sglk_cpu_executor_scalar()};
   if (name == "avx512bf16") return cpu_has_avx512bf16() ? &bf16 : nullptr;
   if (name == "avx512") return cpu_has_avx512() ? &avx512 : nullptr;
   if (name == "avx2") return cpu_has_avx2() ? &avx2 : nullptr;
@@ -110,7 +118,7 @@ const Level& level() {
 
 const IsaKernels& kernels() { return *level().isa; }
 
-const MoeKernels& moe_kernels() { return *level().moe; }
+const CpuExecutorKernels& cpu_executor_kernels() { return *level().cpu_executor; }
 
 std::string current_isa() { return level().name; }
 

@@ -23,7 +23,7 @@
 
 namespace sglk {
 
-struct MoeKernels {
+struct CpuExecutorKernels {
   const char* name;  // "scalar" | "avx2" | "avx512" | "avx512bf16"
   const char* dot;   // how the bf16 dots are computed, for expert_pool_info()
 
@@ -48,10 +48,3 @@ struct MoeKernels {
 };
 
 }  // namespace sglk
-
-// Defined in isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp; the SIMD
-// getters return null when the build has no x86 SIMD.
-extern "C" const sglk::MoeKernels* sglk_moe_kernels_scalar();
-extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx2();
-extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx512();
-extern "C" const sglk::MoeKernels* sglk_moe_kernels_avx512bf16();

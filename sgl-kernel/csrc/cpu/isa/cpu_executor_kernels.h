@@ -1,9 +1,10 @@
-// SIMD kernels of the CPU expert executor, compiled once per ISA level.
-// Included by isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp, which define
+// SIMD kernels of the CPU executor, compiled once per ISA level: the units of
+// family `cpu_executor` in isa_units.h, each generated from isa_unit.h, which
+// defines
 //   SGLK_ISA_LEVEL     0 | 1 | 2   (the vec.h level: scalar, AVX2+FMA, AVX-512)
-//   SGLK_MOE_DPBF16    0 | 1       (1: bf16 dots with vdpbf16ps, AVX512_BF16)
-//   SGLK_MOE_NAME      the level's name
-// and switch the target ISA before including this file. Everything below has
+//   SGLK_ISA_DPBF16    0 | 1       (1: bf16 dots with vdpbf16ps, AVX512_BF16)
+//   SGLK_ISA_NAME      the level's name
+// and switches the target ISA before including this file. Everything below has
 // internal linkage; no torch/STL header (see kernel_args.h for why).
 //
 // Dot products (see cpu_executor_args.h for the exactness contract):
@@ -87,7 +88,7 @@ static inline __attribute__((always_inline)) void reduce_tile(__m512 (&acc)[R][C
 // dot_micro<R, C>: the R x C block of dots of rows w + r * w_rs (r < R) with
 // columns x[c] (c < C); writes y[c][r0 + r].
 
-#if SGLK_MOE_DPBF16
+#if SGLK_ISA_DPBF16
 
 static constexpr int DOT_CMAX = 4;
 // Decode rows per tile for C tokens on an expert. One row at a time makes each thread read
@@ -398,9 +399,9 @@ static uint64_t stream_read(const void* p, int64_t bytes) {
 #endif
 }
 
-static const MoeKernels kMoeTable = {
-    SGLK_MOE_NAME,
-#if SGLK_MOE_DPBF16
+static const CpuExecutorKernels kTable = {
+    SGLK_ISA_NAME,
+#if SGLK_ISA_DPBF16
     "vdpbf16ps (bf16 pairs, fp32 accumulate)",
 #elif SGLK_ISA_LEVEL == 2
     "avx512 bf16->fp32 + fma",

@@ -178,7 +178,3 @@ static inline int64_t conv1d_workspace_floats(int64_t width, int64_t c0, int64_t
 
 }  // namespace sglk
 
-// Defined in kernels_{scalar,avx2,avx512}.cpp.
-extern "C" const sglk::IsaKernels* sglk_isa_kernels_scalar();
-extern "C" const sglk::IsaKernels* sglk_isa_kernels_avx2();
-extern "C" const sglk::IsaKernels* sglk_isa_kernels_avx512();

@@ -1,10 +1,11 @@
-// SIMD kernels, compiled once per ISA level. Included by kernels_scalar.cpp,
-// kernels_avx2.cpp and kernels_avx512.cpp, which define
+// SIMD kernels of the general CPU ops, compiled once per ISA level: the units
+// of family `kernels` in isa_units.h, each generated from isa_unit.h, which
+// defines
 //   SGLK_ISA_LEVEL  0 | 1 | 2
 //   SGLK_ISA_NAME   "scalar" | "avx2" | "avx512"
-// and switch the target ISA before including this file. Everything below has
-// internal linkage; the including file exports sglk::kTable through a getter
-// defined after it restores the baseline ISA. No torch/STL header is used (see
+// and switches the target ISA before including this file. Everything below has
+// internal linkage; isa_unit.h exports sglk::kTable through a getter defined
+// after it restores the baseline ISA. No torch/STL header is used (see
 // kernel_args.h for why).
 //
 // Formulas:
