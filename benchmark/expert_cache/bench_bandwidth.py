@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache, _ops
+from sglang.srt.layers.moe.expert_cache.bandwidth_probe import probe_bandwidths
+from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
 from sglang.srt.layers.moe.expert_cache.config import CacheSize, ExpertCacheConfig, MissPolicy
 
 
@@ -52,9 +53,12 @@ def main() -> None:
         cache.finalize()  # sizes the slots and measures once (the startup path)
         # Time the bandwidth step again as startup runs it, with the profile cache emptied.
         os.remove(os.environ["SGLANG_EXPERT_CACHE_PROFILE_PATH"])
-        threads = _ops().expert_pool_set_threads(cfg.cpu_threads)
+        threads = torch.ops.sgl_kernel.expert_pool_set_threads(cfg.cpu_threads)
         t0 = time.perf_counter()
-        bw = cache._bandwidths(threads)
+        bw = probe_bandwidths(
+            cache.host, device=cache.device, layer_ids=sorted(cache.layer_ids),
+            num_experts=cache.num_experts, top_k=cache.top_k, threads=threads,
+        )
         ms = 1e3 * (time.perf_counter() - t0)
     pool_gb = args.layers * args.experts * cache.host.expert_bytes / 1e9
     print(

@@ -28,24 +28,18 @@ figure) and ``floor_us``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import sgl_kernel_fork  # noqa: F401
 
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location(
-    "expert_cache_control_mod", HERE.parents[1] / "python/sglang/srt/layers/moe/expert_cache/control.py"
-)
-ec = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ec)
+from sglang.srt.layers.moe.expert_cache import control as ec
 
-L, K, RATIO, POLICY = 48, 8, 0.8, ec.POLICY_QSTAR
+L, K, RATIO, POLICY = 48, 8, 0.8, int(ec.MissPolicy.QSTAR)
+Stat = ec.Stat
 
 
 def routing(E: int, T: int, steps: int, seed: int, device: str):
@@ -61,45 +55,53 @@ def routing(E: int, T: int, steps: int, seed: int, device: str):
     return out
 
 
+class Outputs:
+    """Preallocated outputs of the raw op for batches of T tokens (the op is timed alone)."""
+
+    def __init__(self, T: int, F: int, device: str):
+        self.slot_ids = torch.full((T, K), -1, dtype=torch.int32, device=device)
+        self.cpu_ids = torch.full((T, K), -1, dtype=torch.int32, device=device)
+        self.fills = ec.FillList.allocate(F, device)
+
+
 def setup(E: int, F: int, T: int, device: str):
     S = L * E // 4
     tables = ec.ExpertCacheTables.allocate(L, E, S, device)
-    bufs = ec.ControlBuffers.allocate(max(T, 1), K, F, device)
-    return S, tables, bufs
+    return S, tables, Outputs(T, F, device)
 
 
 def args_for(ids, layer, E, tables, out):
+    f = out.fills
     return (ids, layer, E, tables.slot_of_id, tables.id_of_slot, tables.slot_last_use, tables.clock,
-            out.slot_ids, out.cpu_ids, out.fill_src, out.fill_dst, out.counts, out.stats, RATIO, POLICY)
+            out.slot_ids, out.cpu_ids, f.fill_src, f.fill_dst, f.counts, tables.stats, RATIO, POLICY)
 
 
 def time_cpu(E: int, F: int, T: int, steps: int, warm: int):
-    S, tables, bufs = setup(E, F, T, "cpu")
+    S, tables, out = setup(E, F, T, "cpu")
     routes = routing(E, T, steps, seed=E * 131 + T, device="cpu")
-    out = bufs.rows(T)
     op = torch.ops.sgl_kernel.expert_cache_control
     calls = [args_for(routes[s][layer], layer, E, tables, out) for s in range(steps) for layer in range(L)]
     for a in calls[: warm * L]:  # warm the cache
         op(*a)
-    st0 = out.stats.clone()
+    st0 = tables.stats.clone()
     clk = time.perf_counter_ns
     times = []
     for a in calls:
         t0 = clk()
         op(*a)
         times.append(clk() - t0)
-    st = (out.stats - st0).tolist()  # hits, misses, fills, cpu over the timed calls
+    st = (tables.stats - st0).tolist()  # the counters over the timed calls, by Stat
     times.sort()
     med = times[len(times) // 2] / 1e3
     p90 = times[int(len(times) * 0.9)] / 1e3
-    hit_rate = st[0] / max(1, st[0] + st[1])
-    return dict(S=S, med=med, p90=p90, hit=hit_rate, fills=st[2] / len(calls), cpu=st[3] / len(calls))
+    hits, misses = st[Stat.HITS], st[Stat.MISSES]
+    return dict(S=S, med=med, p90=p90, hit=hits / max(1, hits + misses), fills=st[Stat.FILLS] / len(calls),
+                cpu=st[Stat.CPU_EXPERTS] / len(calls))
 
 
 def time_floor(E: int, F: int, n: int = 4000):
     """Same op, same arguments, empty batch: the Python -> op call cost."""
-    _, tables, bufs = setup(E, F, 0, "cpu")
-    out = bufs.rows(0)
+    _, tables, out = setup(E, F, 0, "cpu")
     a = args_for(torch.empty(0, K, dtype=torch.int32), 0, E, tables, out)
     op = torch.ops.sgl_kernel.expert_cache_control
     clk = time.perf_counter_ns
@@ -114,9 +116,8 @@ def time_floor(E: int, F: int, n: int = 4000):
 
 
 def time_cuda(E: int, F: int, T: int, steps: int, warm: int):
-    S, tables, bufs = setup(E, F, T, "cuda")
+    S, tables, out = setup(E, F, T, "cuda")
     routes = routing(E, T, steps, seed=E * 131 + T, device="cuda")
-    out = bufs.rows(T)
     op = torch.ops.sgl_kernel.expert_cache_control
     for s in range(warm):
         for layer in range(L):

@@ -1,17 +1,13 @@
 """Shared setup of the expert-cache tests.
 
-The tests need this checkout's ``sgl_kernel_fork`` installed (``make setup``) or built in place
-(``cd sgl-kernel && python setup.py build_ext --inplace``, then ``PYTHONPATH=sgl-kernel/python``);
-if it cannot be imported the folder fails (no silent skip). The modules under test
-(``python/sglang/srt/layers/moe/expert_cache/{reference,control}.py``) are loaded from this
-checkout by file path (see ``ec_util.py``), so the tests do not depend on how the installed
-``sglang`` package links them.
+The tests need this checkout's ``sgl_kernel_fork`` and its modules installed in the venv (``make
+setup``, which links ``python/sglang/srt/layers/moe/expert_cache/`` into the installed ``sglang``
+package); if ``sgl_kernel_fork`` cannot be imported the folder fails (no silent skip).
 """
 
 try:
     import sgl_kernel_fork  # noqa: F401
 except ImportError as e:  # pragma: no cover - reported as a collection error
     raise ImportError(
-        "sgl_kernel_fork is not importable: build it in place (cd sgl-kernel && python setup.py "
-        "build_ext --inplace) and put sgl-kernel/python on PYTHONPATH (" + str(e) + ")"
+        "sgl_kernel_fork is not importable: build and install it with `make setup` (" + str(e) + ")"
     ) from e

@@ -2,40 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import List, Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-PKG = REPO / "python" / "sglang" / "srt" / "layers" / "moe" / "expert_cache"
-
-
-def _load(name: str):
-    """Load PKG/<name>.py as module ``expert_cache_<name>`` (no package __init__ needed)."""
-    key = f"expert_cache_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, PKG / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[key]
-
-
-reference = _load("reference")
-control = _load("control")
+from sglang.srt.layers.moe.expert_cache import control, reference
 
 
 class OpCache:
-    """The op's tables and buffers on one device, with results read back as lists."""
+    """The op's tables and fill list on one device, with results read back as lists."""
 
-    def __init__(self, num_layers, num_experts, num_slots, num_fill, max_tokens=64, top_k=8, device="cpu"):
+    def __init__(self, num_layers, num_experts, num_slots, num_fill, top_k=8, device="cpu"):
         self.E = num_experts
         self.F = num_fill
+        self.K = top_k
         self.tables = control.ExpertCacheTables.allocate(num_layers, num_experts, num_slots, device)
-        self.bufs = control.ControlBuffers.allocate(max_tokens, top_k, num_fill, device)
+        self.fills = control.FillList.allocate(num_fill, device)
         self.device = device
 
     def load(self, ref: "reference.ReferenceExpertCache") -> None:
@@ -45,21 +27,13 @@ class OpCache:
         t.id_of_slot.copy_(torch.tensor(ref.id_of_slot, dtype=torch.int32))
         t.slot_last_use.copy_(torch.tensor(ref.slot_last_use, dtype=torch.int64))
         t.clock.fill_(ref.clock)
-        self.bufs.stats.copy_(torch.tensor(ref.stats, dtype=torch.int64))
+        t.stats.copy_(torch.tensor(ref.stats, dtype=torch.int64))
 
     def control(self, topk: Sequence[Sequence[int]], layer: int, ratio: float, policy: int):
         """One op call on a batch of ``len(topk)`` tokens; outputs as lists."""
-        T, K = len(topk), self.bufs.slot_ids.shape[1]
-        ids = torch.tensor(topk, dtype=torch.int32, device=self.device).reshape(T, K)
-        out = self.bufs.rows(T)
-        control.expert_cache_control(ids, layer, self.E, self.tables, out, ratio, policy)
-        return reference.ControlResult(
-            slot_ids=out.slot_ids.tolist(),
-            cpu_ids=out.cpu_ids.tolist(),
-            fill_src=out.fill_src.tolist(),
-            fill_dst=out.fill_dst.tolist(),
-            counts=out.counts.tolist(),
-        )
+        ids = torch.tensor(topk, dtype=torch.int32, device=self.device).reshape(len(topk), self.K)
+        r = control.expert_cache_control(ids, layer, self.E, self.tables, self.fills, ratio, policy)
+        return as_lists(r)
 
     def state(self):
         t = self.tables
@@ -68,8 +42,19 @@ class OpCache:
             t.id_of_slot.tolist(),
             t.slot_last_use.tolist(),
             int(t.clock.item()),
-            self.bufs.stats.tolist(),
+            t.stats.tolist(),
         )
+
+
+def as_lists(r: "control.Routing") -> "reference.ControlResult":
+    """A :class:`control.Routing` read back as the reference model's result."""
+    return reference.ControlResult(
+        slot_ids=r.slot_ids.tolist(),
+        cpu_ids=r.cpu_ids.tolist(),
+        fill_src=r.fills.fill_src.tolist(),
+        fill_dst=r.fills.fill_dst.tolist(),
+        counts=r.fills.counts.tolist(),
+    )
 
 
 def ref_state(ref):
@@ -119,7 +104,8 @@ def check_call(
                     assert id_of_slot[s] == g
                 else:
                     assert c == g and slot_of_id[g] == -1
-    q, cpu, hits, m = res.counts
+    Stat = control.Stat
+    q, cpu, hits, m = (res.counts[i] for i in (Stat.FILLS, Stat.CPU_EXPERTS, Stat.HITS, Stat.MISSES))
     assert q + cpu == m and hits + m == len(routed) and 0 <= q <= len(res.fill_src)
     assert all(x == -1 for x in res.fill_src[q:]) and all(x == -1 for x in res.fill_dst[q:])
     assert len(set(res.fill_dst[:q])) == q

@@ -42,7 +42,7 @@ def test_matches_indexing(n):
     fill_dst = torch.tensor(fd[:n] + [-1] * (F - n), dtype=torch.int32)
     counts = torch.tensor([n, 99, 99, 99], dtype=torch.int32)
     want = reference_copy(src, dst, fs, fd, n)
-    control.expert_bank_copy(src, dst, fill_src, fill_dst, counts)
+    control.expert_bank_copy(src, dst, control.FillList(fill_src, fill_dst, counts))
     for d, w in zip(dst, want):
         assert torch.equal(d, w)
 
@@ -52,7 +52,7 @@ def test_count_masks_valid_looking_entries():
     dst = [torch.zeros((SLOTS,) + s.shape[1:], dtype=s.dtype) for s in src]
     fill_src = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     fill_dst = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-    control.expert_bank_copy(src, dst, fill_src, fill_dst, torch.tensor([2], dtype=torch.int32))
+    control.expert_bank_copy(src, dst, control.FillList(fill_src, fill_dst, torch.tensor([2], dtype=torch.int32)))
     for s, d in zip(src, dst):
         assert torch.equal(d[:2], s[1:3]) and not d[2:].any()
 
@@ -62,10 +62,11 @@ def test_large_rows_parallel_path():
     dst = [torch.zeros((5,) + s.shape[1:], dtype=s.dtype) for s in src]
     fs, fd = [7, 0, 3, 5], [4, 1, 0, 2]
     want = reference_copy(src, dst, fs, fd, 4)
-    control.expert_bank_copy(
-        src, dst, torch.tensor(fs, dtype=torch.int32), torch.tensor(fd, dtype=torch.int32),
+    fills = control.FillList(
+        torch.tensor(fs, dtype=torch.int32), torch.tensor(fd, dtype=torch.int32),
         torch.tensor([4, 0, 0, 0], dtype=torch.int32),
     )
+    control.expert_bank_copy(src, dst, fills)
     for d, w in zip(dst, want):
         assert torch.equal(d, w)
 
@@ -113,13 +114,12 @@ def test_control_then_copy_keeps_slots_equal_to_their_experts():
     L, E, S, Fn, K = 3, 16, 12, 4, 4
     src = banks(L * E, seed=1)
     dst = [torch.zeros((S,) + s.shape[1:], dtype=s.dtype) for s in src]
-    op = OpCache(L, E, S, Fn, max_tokens=16, top_k=K)
+    op = OpCache(L, E, S, Fn, top_k=K)
     for _ in range(50):
         layer = rng.randrange(L)
         topk = random_routing(rng, rng.randint(1, 16), K, E, rng.sample(range(E), 6))
         op.control(topk, layer, rng.uniform(0, 2), rng.choice([0, 1, 2]))
-        b = op.bufs
-        control.expert_bank_copy(src, dst, b.fill_src, b.fill_dst, b.counts)
+        control.expert_bank_copy(src, dst, op.fills)
         for s, g in enumerate(op.tables.id_of_slot.tolist()):
             if g >= 0:
                 for sb, db in zip(src, dst):

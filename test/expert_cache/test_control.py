@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-QSTAR, FILL, CPU = reference.POLICY_QSTAR, reference.POLICY_FILL, reference.POLICY_CPU
+QSTAR, FILL, CPU = control.MissPolicy.QSTAR, control.MissPolicy.FILL, control.MissPolicy.CPU
 
 
 def step(op: OpCache, ref: reference.ReferenceExpertCache, topk, layer, ratio, policy):
@@ -66,7 +66,7 @@ def test_random_sequences(seed, isa):
     S = rng.randint(1, L * E)
     F = rng.randint(1, 16)
     K = rng.randint(1, min(8, E))
-    op = OpCache(L, E, S, F, max_tokens=64, top_k=K)
+    op = OpCache(L, E, S, F, top_k=K)
     ref = reference.ReferenceExpertCache(L, E, S)
     hot = {layer: rng.sample(range(E), max(K, E // 4)) for layer in range(L)}
     for it in range(60):
@@ -78,7 +78,7 @@ def test_random_sequences(seed, isa):
         policy = rng.choice([QSTAR, QSTAR, FILL, CPU])
         ratio = rng.choice([0.0, 0.1, 0.5, 0.8, 1.0, 1.5, 3.0, rng.uniform(0, 3)])
         step(op, ref, topk, layer, ratio, policy)
-    assert op.bufs.stats.tolist() == ref.stats
+    assert op.tables.stats.tolist() == ref.stats
 
 
 # ---------------------------------------------------------------- hypothesis state machine
@@ -97,7 +97,7 @@ class ControlMachine(RuleBasedStateMachine):
     def setup(self, L, E, s_frac, F, K):
         S = max(1, min(L * E, round(s_frac * L * E)))
         self.L, self.E, self.K = L, E, min(K, E)
-        self.op = OpCache(L, E, S, F, max_tokens=64, top_k=self.K)
+        self.op = OpCache(L, E, S, F, top_k=self.K)
         self.ref = reference.ReferenceExpertCache(L, E, S)
 
     @rule(
@@ -135,7 +135,7 @@ TestControlMachine.settings = settings(
 
 
 def fresh(L=2, E=8, S=4, F=4, K=2):
-    return OpCache(L, E, S, F, max_tokens=64, top_k=K), reference.ReferenceExpertCache(L, E, S)
+    return OpCache(L, E, S, F, top_k=K), reference.ReferenceExpertCache(L, E, S)
 
 
 def test_no_miss_and_empty_batch():
@@ -219,7 +219,7 @@ def test_prefilled_random_state(isa, max_time):
         ref.slot_of_id[g] = s
         ref.slot_last_use[s] = rng.randint(0, max_time)
     ref.clock = 9
-    op = OpCache(L, E, S, F, max_tokens=64, top_k=K)
+    op = OpCache(L, E, S, F, top_k=K)
     op.load(ref)
     for _ in range(40):
         layer = rng.randrange(L)
@@ -241,7 +241,7 @@ def test_large_table_random_ages(isa, F):
         ref.slot_of_id[g] = s
         ref.slot_last_use[s] = ages[s]
     ref.clock = 1000
-    op = OpCache(L, E, S, F, max_tokens=64, top_k=K)
+    op = OpCache(L, E, S, F, top_k=K)
     op.load(ref)
     for _ in range(25):
         topk = random_routing(rng, rng.choice([8, 64]), K, E, rng.sample(range(E), 40), pad_p=0.0)
@@ -263,6 +263,7 @@ def test_bad_ids_raise_before_any_change():
 
 def _args(op, topk, **over):
     T = len(topk)
+    out = torch.full((T, op.K), -1, dtype=torch.int32)
     a = dict(
         topk_ids=torch.tensor(topk, dtype=torch.int32),
         layer=0,
@@ -271,12 +272,12 @@ def _args(op, topk, **over):
         id_of_slot=op.tables.id_of_slot,
         slot_last_use=op.tables.slot_last_use,
         clock=op.tables.clock,
-        slot_ids=op.bufs.slot_ids[:T],
-        cpu_ids=op.bufs.cpu_ids[:T],
-        fill_src=op.bufs.fill_src,
-        fill_dst=op.bufs.fill_dst,
-        counts=op.bufs.counts,
-        stats=op.bufs.stats,
+        slot_ids=out,
+        cpu_ids=out.clone(),
+        fill_src=op.fills.fill_src,
+        fill_dst=op.fills.fill_dst,
+        counts=op.fills.counts,
+        stats=op.tables.stats,
         fill_ratio=0.5,
         policy=0,
     )
@@ -321,8 +322,39 @@ def test_corrupt_table_raises():
 
 def test_wrapper_accepts_policy_names():
     op, ref = fresh()
-    out = op.bufs.rows(1)
-    control.expert_cache_control(torch.tensor([[1, 2]], dtype=torch.int32), 0, 8, op.tables, out, 0.5, "fill")
-    assert out.counts.tolist() == [2, 0, 0, 2]
-    with pytest.raises(ValueError):
-        control.expert_cache_control(torch.tensor([[1, 2]], dtype=torch.int32), 0, 8, op.tables, out, 0.5, "lru")
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    r = control.expert_cache_control(ids, 0, 8, op.tables, op.fills, 0.5, "fill")
+    assert r.fills is op.fills and r.fills.counts.tolist() == [2, 0, 0, 2]
+    with pytest.raises(ValueError, match="policy must be one of qstar, fill, cpu"):
+        control.expert_cache_control(ids, 0, 8, op.tables, op.fills, 0.5, "lru")
+
+
+def test_enumerations_come_from_the_op_library():
+    """MissPolicy and Stat are the header's lists (csrc/shared/expert_cache.h), in value order,
+    and the counters the op writes are in that order."""
+    assert [m.name for m in control.MissPolicy] == ["QSTAR", "FILL", "CPU"]
+    assert [m.name for m in control.Stat] == ["FILLS", "CPU_EXPERTS", "HITS", "MISSES"]
+    assert control.MissPolicy.parse("Qstar") is control.MissPolicy.QSTAR
+    assert control.MissPolicy.parse(2) is control.MissPolicy.CPU
+    with pytest.raises(RuntimeError, match="miss_policy or stat"):
+        torch.ops.sgl_kernel.expert_cache_enum("colour")
+    op, _ = fresh()
+    # 3 distinct misses, 1 fill (qstar at ratio 0.2 rounds 0.6 up to 1), then a hit.
+    r = op.control([[1, 2], [3, -1]], 0, 0.2, QSTAR)
+    S = control.Stat
+    assert (r.counts[S.FILLS], r.counts[S.CPU_EXPERTS], r.counts[S.HITS], r.counts[S.MISSES]) == (1, 2, 0, 3)
+    filled = r.fill_src[0]
+    r = op.control([[filled, -1]], 0, 0.2, QSTAR)
+    assert r.counts[S.HITS] == 1 and r.counts[S.MISSES] == 0
+    assert op.tables.stats.tolist()[S.HITS] == 1 and op.tables.stats.tolist()[S.CPU_EXPERTS] == 2
+
+
+def test_no_slots_sends_every_miss_to_the_cpu():
+    """With S = 0 the op fills nothing under every policy and counts each distinct routed expert
+    as a miss run on the CPU (what the cache does at 0 slots), as the reference model does."""
+    for policy in (QSTAR, FILL, CPU):
+        op = OpCache(2, 8, 0, 1, top_k=2)
+        ref = reference.ReferenceExpertCache(2, 8, 0)
+        got = step(op, ref, [[3, 5], [5, -1]], 1, 0.0, policy)
+        assert got.slot_ids == [[-1, -1], [-1, -1]] and got.cpu_ids == [[11, 13], [13, -1]]
+        assert got.counts == [0, 2, 0, 2]

@@ -52,7 +52,7 @@ def _tolerance(ref: torch.Tensor) -> dict:
 def test_forward_on_cuda_matches_the_cpu_cache(
     runner_config, monkeypatch, size, policy, stream_tokens
 ):
-    from sglang.srt.layers.moe.expert_cache.cache import STREAM_TOKENS_ENV
+    from sglang.srt.layers.moe.expert_cache.cuda_branch import STREAM_TOKENS_ENV
     from test_slot_cache import make_cache, routing
 
     monkeypatch.setenv(STREAM_TOKENS_ENV, stream_tokens)

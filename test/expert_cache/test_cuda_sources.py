@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "sgl-kernel" / "csrc" / "cuda"
+CSRC = Path(__file__).resolve().parents[2] / "sgl-kernel" / "csrc"
+CUDA_DIR = CSRC / "cuda"
 
 
 def _nvcc():
@@ -62,7 +63,7 @@ def kernel_object(tmp_path_factory):
     if nvcc is None:
         pytest.skip("nvcc not found")
     out = tmp_path_factory.mktemp("nvcc") / "expert_cache.o"
-    r = _run([nvcc, "-c", "-std=c++17", "-arch=sm_90", "-O3", CUDA_DIR / "expert_cache.cu", "-o", out])
+    r = _run([nvcc, "-c", "-std=c++17", "-arch=sm_90", "-O3", f"-I{CSRC}", CUDA_DIR / "expert_cache.cu", "-o", out])
     assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
     return out
 
@@ -91,7 +92,7 @@ def test_binding_compiles_against_torch_and_cuda_headers(kernel_object, tmp_path
         (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
     obj = tmp_path / "binding.o"
     cmd = [cxx, "-c", "-std=c++20", "-O0", "-fPIC", "-Wall", "-DTORCH_EXTENSION_NAME=_C_cuda"]
-    cmd += [f"-I{p}" for p in incs] + [f"-I{stub}", f"-I{cuda_inc}", f"-I{CUDA_DIR}"]
+    cmd += [f"-I{p}" for p in incs] + [f"-I{stub}", f"-I{cuda_inc}", f"-I{CUDA_DIR}", f"-I{CSRC}"]
     r = _run(cmd + [CUDA_DIR / "expert_cache_binding.cpp", "-o", obj])
     assert r.returncode == 0, f"binding failed to compile:\n{r.stderr[-4000:]}"
     r = _run([cxx, "-c", "-fPIC", f"-I{sysconfig.get_paths()['include']}", CUDA_DIR / "python_module.cpp",
@@ -125,7 +126,7 @@ def test_cpu_branch_binding_compiles_against_torch_and_cuda_headers(tmp_path):
         (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
         (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
     cmd = [cxx, "-c", "-std=c++20", "-O0", "-fPIC", "-Wall", "-Werror", "-DTORCH_EXTENSION_NAME=_C_cuda"]
-    cmd += [f"-I{p}" for p in incs] + [f"-I{stub}", f"-I{cuda_inc}", f"-I{CUDA_DIR}"]
+    cmd += [f"-I{p}" for p in incs] + [f"-I{stub}", f"-I{cuda_inc}", f"-I{CUDA_DIR}", f"-I{CSRC}"]
     obj = tmp_path / "cpu_branch.o"
     r = _run(cmd + [CUDA_DIR / "cpu_branch_binding.cpp", "-o", obj])
     assert r.returncode == 0, f"cpu_branch_binding.cpp failed to compile:\n{r.stderr[-4000:]}"

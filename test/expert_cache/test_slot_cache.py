@@ -137,9 +137,9 @@ def test_qstar_splits_misses_by_bandwidth_ratio():
     """With B_P / B_H = 0.5 a call with m misses fills round(m / 2) (at least one)."""
     cache = make_cache(str(L * E), "qstar", fill_gbps=1.0, cpu_gbps=2.0)
     # Empty the cache so every routed expert misses.
-    cache.slot_of_id.fill_(-1)
-    cache.id_of_slot.fill_(-1)
-    cache.slot_last_use.fill_(-1)
+    cache.tables.slot_of_id.fill_(-1)
+    cache.tables.id_of_slot.fill_(-1)
+    cache.tables.slot_last_use.fill_(-1)
     x = torch.randn(2, H).to(torch.bfloat16)
     w = torch.full((2, K), 1.0 / K)
     ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
@@ -221,40 +221,42 @@ def test_routing_trace_recorded(tmp_path):
     assert [r["step"] for r in lines] == [i // L for i in range(len(calls))]
 
 
-def test_no_slots_counts_on_the_device_and_measures_nothing(tmp_path, monkeypatch):
+def test_no_slots_runs_every_expert_on_the_cpu_and_measures_nothing(tmp_path, monkeypatch):
     """With no slots every expert runs on the CPU: B_P / B_H are not measured (nor cached), and
-    a call counts its distinct routed experts as misses run on the CPU, out-of-range ids being
-    padding as in the control op."""
+    the control op (the same call as with slots, S = 0) counts a call's distinct routed experts
+    as misses run on the CPU; an id outside [-1, E) is refused as with slots."""
     monkeypatch.setenv("SGLANG_EXPERT_CACHE_PROFILE_PATH", str(tmp_path / "bw.json"))
     cache = make_cache("auto", "qstar", fill_gbps=None, cpu_gbps=None)
     assert cache.num_slots == 0 and cache.bandwidths.source == "unused: no slots"
     assert not (tmp_path / "bw.json").exists()
-    ids = torch.tensor([[3, 5, -1, E], [5, 7, 3, E + 9]], dtype=torch.int32)
-    slot_ids, cpu_ids = cache.route(1, ids)
-    assert (slot_ids == -1).all()
-    assert cpu_ids.tolist() == [[E + 3, E + 5, -1, -1], [E + 5, E + 7, E + 3, -1]]
+    ids = torch.tensor([[3, 5, -1, 1], [5, 7, 3, -1]], dtype=torch.int32)
+    r = cache.route(1, ids)
+    assert (r.slot_ids == -1).all()
+    assert r.cpu_ids.tolist() == [[E + 3, E + 5, -1, E + 1], [E + 5, E + 7, E + 3, -1]]
     snap = cache.snapshot()
-    assert (snap["misses"], snap["cpu_experts"], snap["fills"], snap["hits"]) == (3, 3, 0, 0)
+    assert (snap["misses"], snap["cpu_experts"], snap["fills"], snap["hits"]) == (4, 4, 0, 0)
+    assert snap["calls"] == 1
+    with pytest.raises(RuntimeError, match=r"outside \[-1, 16\)"):
+        cache.route(1, torch.tensor([[3, E, -1, 1]], dtype=torch.int32))
 
 
 def test_cuda_kernel_limits_are_checked_at_startup(monkeypatch):
     """The CUDA control kernel's presence and limits (F <= 32, E <= 4096) are checked when the
-    cache is sized, with what to change, not at the first forward (the method is
-    device-neutral; the kernel lookup is stubbed where no CUDA kernel is built)."""
-    cache = make_cache("25%", "qstar")
+    cache is sized, with what to change, not at the first forward (the kernel lookup is stubbed
+    where no CUDA kernel is built)."""
+    from sglang.srt.layers.moe.expert_cache.cuda_branch import check_cuda_support
+
     lookup = torch._C._dispatch_has_kernel_for_dispatch_key
     monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: False)
     with pytest.raises(RuntimeError, match="rerun `make setup`"):
-        cache._check_cuda_limits(16)
+        check_cuda_support(E, 16, None)
     monkeypatch.setattr(
         torch._C, "_dispatch_has_kernel_for_dispatch_key",
         lambda op, key: key == "CUDA" or lookup(op, key),
     )
-    assert cache._check_cuda_limits(16) == 16
-    assert cache._check_cuda_limits(40) == 32  # 2 x top-k of a top-20 model: clamped
-    cache.config = dataclasses.replace(cache.config, max_fills=40)
+    assert check_cuda_support(E, 16, None) == 16
+    assert check_cuda_support(E, 40, None) == 32  # 2 x top-k of a top-20 model: clamped
     with pytest.raises(ValueError, match="--expert-cache-max-fills 40 .* at most 32"):
-        cache._check_cuda_limits(40)
-    cache.num_experts = 5000
+        check_cuda_support(E, 40, 40)
     with pytest.raises(ValueError, match="at most 4096 routed experts"):
-        cache._check_cuda_limits(16)
+        check_cuda_support(5000, 16, None)

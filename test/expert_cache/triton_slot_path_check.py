@@ -1,9 +1,9 @@
 """The GPU path's device side, run on the CPU through Triton's interpreter.
 
-On CUDA, ``ExpertSlotCache._forward_cuda`` adds two partial sums: the slot experts (hits and
+On CUDA, ``cuda_branch.CudaForward.forward`` adds two partial sums: the slot experts (hits and
 fills) through upstream's Triton ``fused_experts`` over the slot table
-(``ExpertSlotCache._slot_experts``), and the remaining misses from the host pool on the CPU
-executor. This script runs that same ``_slot_experts`` call, unchanged, with
+(``cuda_branch.slot_experts``), and the remaining misses from the host pool on the CPU
+executor. This script runs that same ``slot_experts`` call, unchanged, with
 ``TRITON_INTERPRET=1`` on CPU tensors, after the control step on random routing, and checks
 for every cache size and miss policy that
 
@@ -91,6 +91,7 @@ class Totals:
 
 def check_config(size: str, policy: str, totals: Totals) -> None:
     import sgl_kernel_fork  # noqa: F401  (torch.ops.sgl_kernel.*)
+    from sglang.srt.layers.moe.expert_cache.cuda_branch import slot_experts
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from test_slot_cache import E, H, I, K, make_cache, reference, routing
 
@@ -100,16 +101,13 @@ def check_config(size: str, policy: str, totals: Totals) -> None:
         num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
         top_k=K, params_dtype=torch.bfloat16, activation="silu", is_gated=True, inplace=True,
     )
-    bf16_slots = cache.slots
     for layer, x, w, ids in routing(steps=6, seed=3):
-        slot_ids, cpu_ids = cache.route(layer, ids.contiguous())
+        routing_ = cache.route(layer, ids.contiguous())
+        slot_ids, cpu_ids = routing_.slot_ids, routing_.cpu_ids
         x16 = x.to(torch.float16)
         x_before = x16.clone()
-        cache.slots = {n: bf16_slots[n].to(torch.float16) for n in ("w13", "w2")}
-        try:
-            slot_part = cache._slot_experts(x16, w, slot_ids, runner_config)
-        finally:
-            cache.slots = bf16_slots
+        fp16_slots = {n: cache.slots[n].to(torch.float16) for n in ("w13", "w2")}
+        slot_part = slot_experts(fp16_slots, x16, w, slot_ids, runner_config)
         assert torch.equal(x16, x_before), "the slot experts wrote into hidden_states"
         assert slot_part.shape == (x.shape[0], H)
         cpu_part = torch.empty(x.shape[0], H, dtype=torch.float32)

@@ -7,14 +7,17 @@
 // The exact semantics (steps 1-9) are the docstring of
 // python/sglang/srt/layers/moe/expert_cache/reference.py, whose plain-Python model the tests
 // compare against; the CUDA kernels (csrc/cuda/expert_cache.cu) implement the same steps.
-// Both ops are registered here in their own TORCH_LIBRARY_FRAGMENT so that they stay apart from
-// the other ops' registration block.
+// The enumerations (miss policy, counter order), the fill-count formula and the argument checks
+// are shared with the CUDA kernels: csrc/shared/expert_cache.h and expert_cache_checks.h.
+// The ops are registered here in their own TORCH_LIBRARY_FRAGMENT so that they stay apart from
+// the other ops' registration block; `expert_cache_enum` hands the enumerations to Python.
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -22,33 +25,13 @@
 #endif
 
 #include "common.h"
+#include "shared/expert_cache_checks.h"
 
 namespace sglk {
 namespace {
 
-constexpr int64_t kPolicyQstar = 0, kPolicyFill = 1, kPolicyCpu = 2;
-
-void check_i32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-void check_i64(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-// Step 4 before the capacity limits (same expression as the CUDA kernel and reference.py).
-int64_t policy_fill_count(int64_t policy, int64_t m, double fill_ratio) {
-  if (policy == kPolicyFill) return m;
-  if (policy == kPolicyCpu || m == 0) return 0;
-  const double x = static_cast<double>(m) * fill_ratio;
-  const double r = std::floor(x + 0.5);
-  const int64_t q = r >= static_cast<double>(m) ? m : static_cast<int64_t>(r);
-  return std::clamp<int64_t>(q, 1, m);
-}
+namespace ec = sglk::expert_cache;
+const at::Device kCpu(at::kCPU);
 
 // Per-thread scratch. tokens[] (indexed by layer-local expert id) is all-zero between calls.
 struct Scratch {
@@ -174,39 +157,10 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
                               const at::Tensor& cpu_ids, const at::Tensor& fill_src, const at::Tensor& fill_dst,
                               const at::Tensor& counts, const at::Tensor& stats, double fill_ratio, int64_t policy) {
   // ---- argument checks (nothing is changed before all of them pass) ----
-  check_i32(topk_ids, "topk_ids");
-  TORCH_CHECK(topk_ids.dim() == 2, "topk_ids must be [T, K], got shape ", topk_ids.sizes());
-  check_i32(slot_ids, "slot_ids");
-  check_i32(cpu_ids, "cpu_ids");
-  TORCH_CHECK(slot_ids.sizes() == topk_ids.sizes() && cpu_ids.sizes() == topk_ids.sizes(),
-              "slot_ids and cpu_ids must have topk_ids' shape ", topk_ids.sizes(), ", got ", slot_ids.sizes(),
-              " and ", cpu_ids.sizes());
-  TORCH_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
-  TORCH_CHECK(layer >= 0, "layer must be >= 0, got ", layer);
-  check_i32(slot_of_id, "slot_of_id");
-  check_i32(id_of_slot, "id_of_slot");
-  check_i64(slot_last_use, "slot_last_use");
-  check_i64(clock, "clock");
-  check_i32(fill_src, "fill_src");
-  check_i32(fill_dst, "fill_dst");
-  check_i32(counts, "counts");
-  check_i64(stats, "stats");
-  const int64_t n_ids = slot_of_id.numel();
-  TORCH_CHECK(n_ids <= std::numeric_limits<int32_t>::max(), "slot_of_id has more than 2^31-1 entries");
-  TORCH_CHECK((layer + 1) * num_experts <= n_ids, "layer ", layer, " with ", num_experts,
-              " experts needs slot_of_id of at least ", (layer + 1) * num_experts, " entries, got ", n_ids);
-  const int64_t S = id_of_slot.numel();
-  TORCH_CHECK(slot_last_use.numel() == S, "slot_last_use must have ", S, " entries (id_of_slot's), got ",
-              slot_last_use.numel());
-  TORCH_CHECK(clock.numel() == 1, "clock must have one entry, got ", clock.numel());
-  const int64_t F = fill_src.numel();
-  TORCH_CHECK(fill_dst.numel() == F, "fill_dst must have fill_src's ", F, " entries, got ", fill_dst.numel());
-  TORCH_CHECK(counts.numel() == 4, "counts must have 4 entries, got ", counts.numel());
-  TORCH_CHECK(stats.numel() == 4, "stats must have 4 entries, got ", stats.numel());
-  TORCH_CHECK(policy == kPolicyQstar || policy == kPolicyFill || policy == kPolicyCpu,
-              "policy must be 0 (qstar), 1 (fill) or 2 (cpu), got ", policy);
-  TORCH_CHECK(std::isfinite(fill_ratio) && fill_ratio >= 0.0, "fill_ratio must be finite and >= 0, got ",
-              fill_ratio);
+  const ec::ControlShape shape =
+      ec::check_control_args(topk_ids, layer, num_experts, slot_of_id, id_of_slot, slot_last_use, clock, slot_ids,
+                             cpu_ids, fill_src, fill_dst, counts, stats, fill_ratio, policy, kCpu);
+  const int64_t n_ids = shape.n_ids, S = shape.num_slots, F = shape.num_fill;
 
   const int32_t* ids = topk_ids.data_ptr<int32_t>();
   const int64_t n = topk_ids.numel();
@@ -256,7 +210,7 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
     if (result[distinct[i]] >= 0) lu[result[distinct[i]]] = now;
 
   // ---- 4. fill count; 6. victims by one pass over the slot table ----
-  int64_t q = std::min(policy_fill_count(policy, m, fill_ratio), F);
+  int64_t q = std::min(ec::policy_fill_count(static_cast<ec::MissPolicy>(policy), m, fill_ratio), F);
   if (q > 0) {
     select_victims(lu, S, now, static_cast<size_t>(q), sc.victims, use_avx2());
     q = std::min<int64_t>(q, static_cast<int64_t>(sc.victims.size()));
@@ -298,50 +252,35 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
 
   // ---- 9. counts and stats ----
   int32_t* cnt = counts.data_ptr<int32_t>();
-  cnt[0] = static_cast<int32_t>(q);
-  cnt[1] = static_cast<int32_t>(m - q);
-  cnt[2] = static_cast<int32_t>(hits);
-  cnt[3] = static_cast<int32_t>(m);
   int64_t* st = stats.data_ptr<int64_t>();
-  st[0] += hits;
-  st[1] += m;
-  st[2] += q;
-  st[3] += m - q;
+  int64_t call[ec::stat::count];
+  call[ec::stat::fills] = q;
+  call[ec::stat::cpu_experts] = m - q;
+  call[ec::stat::hits] = hits;
+  call[ec::stat::misses] = m;
+  for (int i = 0; i < ec::stat::count; ++i) {
+    cnt[i] = static_cast<int32_t>(call[i]);
+    st[i] += call[i];
+  }
 }
 
 // dst_banks[b][fill_dst[i]] = src_banks[b][fill_src[i]] for i < counts[0], every bank b.
 void expert_bank_copy_cpu(const std::vector<at::Tensor>& src_banks, const std::vector<at::Tensor>& dst_banks,
                           const at::Tensor& fill_src, const at::Tensor& fill_dst, const at::Tensor& counts) {
-  TORCH_CHECK(src_banks.size() == dst_banks.size(), "src_banks and dst_banks must have the same length, got ",
-              src_banks.size(), " and ", dst_banks.size());
-  check_i32(fill_src, "fill_src");
-  check_i32(fill_dst, "fill_dst");
-  check_i32(counts, "counts");
+  for (size_t b = 0; b < src_banks.size() && b < dst_banks.size(); ++b)
+    TORCH_CHECK(src_banks[b].device().is_cpu() && dst_banks[b].device().is_cpu(), "bank ", b,
+                ": CPU tensors expected, got ", src_banks[b].device(), " and ", dst_banks[b].device());
+  const std::vector<int64_t> row_bytes = ec::check_bank_copy_args(src_banks, dst_banks, fill_src, fill_dst, counts, kCpu);
   const int64_t F = fill_src.numel();
-  TORCH_CHECK(fill_dst.numel() == F, "fill_dst must have fill_src's ", F, " entries, got ", fill_dst.numel());
-  TORCH_CHECK(counts.numel() >= 1, "counts must have at least one entry");
   const int64_t nb = static_cast<int64_t>(src_banks.size());
   std::vector<const char*> src(nb);
   std::vector<char*> dst(nb);
-  std::vector<int64_t> row_bytes(nb);
   for (int64_t b = 0; b < nb; ++b) {
-    const at::Tensor& s = src_banks[b];
-    const at::Tensor& d = dst_banks[b];
-    TORCH_CHECK(s.device().is_cpu() && d.device().is_cpu(), "bank ", b, ": CPU tensors expected, got ", s.device(),
-                " and ", d.device());
-    TORCH_CHECK(s.dim() >= 1 && d.dim() == s.dim() && s.sizes().slice(1) == d.sizes().slice(1), "bank ", b,
-                ": src and dst must have the same row shape, got ", s.sizes(), " and ", d.sizes());
-    TORCH_CHECK(s.scalar_type() == d.scalar_type(), "bank ", b, ": dtypes differ (", s.scalar_type(), " vs ",
-                d.scalar_type(), ")");
-    TORCH_CHECK(s.is_contiguous() && d.is_contiguous(), "bank ", b, ": src and dst must be contiguous");
-    src[b] = static_cast<const char*>(s.data_ptr());
-    dst[b] = static_cast<char*>(d.data_ptr());
-    int64_t row_elems = 1;
-    for (int64_t k = 1; k < s.dim(); ++k) row_elems *= s.size(k);
-    row_bytes[b] = row_elems * static_cast<int64_t>(s.element_size());
+    src[b] = static_cast<const char*>(src_banks[b].data_ptr());
+    dst[b] = static_cast<char*>(dst_banks[b].data_ptr());
   }
-  const int64_t q = counts.data_ptr<int32_t>()[0];
-  TORCH_CHECK(q >= 0 && q <= F, "counts[0] = ", q, " is outside [0, ", F, "]");
+  const int64_t q = counts.data_ptr<int32_t>()[ec::stat::fills];
+  TORCH_CHECK(q >= 0 && q <= F, "counts[", ec::stat::fills, "] (fills) = ", q, " is outside [0, ", F, "]");
   const int32_t* fs = fill_src.data_ptr<int32_t>();
   const int32_t* fd = fill_dst.data_ptr<int32_t>();
   int64_t total = 0;
@@ -367,9 +306,24 @@ void expert_bank_copy_cpu(const std::vector<at::Tensor>& src_banks, const std::v
     at::parallel_for(0, q * nb, 1, copy);
 }
 
+// The names of one enumeration of csrc/shared/expert_cache.h in value order: "miss_policy" or
+// "stat" (the order of `counts` and `stats`).
+std::vector<std::string> expert_cache_enum(const std::string& kind) {
+#define SGLK_EXPERT_CACHE_NAME(name) #name,
+  if (kind == "miss_policy") return {SGLK_EXPERT_CACHE_MISS_POLICIES(SGLK_EXPERT_CACHE_NAME)};
+  if (kind == "stat") return {SGLK_EXPERT_CACHE_STATS(SGLK_EXPERT_CACHE_NAME)};
+#undef SGLK_EXPERT_CACHE_NAME
+  TORCH_CHECK(false, "expert_cache_enum: kind must be miss_policy or stat, got '", kind, "'");
+}
+
+// [E, F] limits of the CUDA control kernel, for the host-side startup checks.
+std::vector<int64_t> expert_cache_cuda_limits() { return {ec::kCudaMaxExperts, ec::kCudaMaxFill}; }
+
 }  // namespace sglk
 
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def("expert_cache_enum(str kind) -> str[]", &sglk::expert_cache_enum);
+  m.def("expert_cache_cuda_limits() -> int[]", &sglk::expert_cache_cuda_limits);
   m.def(
       "expert_cache_control(Tensor topk_ids, int layer, int num_experts, Tensor(a!) slot_of_id, "
       "Tensor(b!) id_of_slot, Tensor(c!) slot_last_use, Tensor(d!) clock, Tensor(e!) slot_ids, Tensor(f!) cpu_ids, "

@@ -2,10 +2,11 @@
 // control"): the per-layer control step and the fused bank copy. No torch headers here (the
 // binding is expert_cache_binding.cpp), so this file compiles with nvcc alone:
 //
-//   nvcc -c -std=c++17 -arch=sm_90 expert_cache.cu
+//   nvcc -c -std=c++17 -arch=sm_90 -I.. expert_cache.cu   (-I csrc, for shared/expert_cache.h)
 //
 // Semantics: steps 1-9 of python/sglang/srt/layers/moe/expert_cache/reference.py, identical to
-// the CPU op (csrc/cpu/expert_cache.cpp), except that routed ids outside [-1, E) are padding.
+// the CPU op (csrc/cpu/expert_cache.cpp), except that routed ids outside [-1, E) are padding. The
+// miss policies, the counter order and the fill-count formula are csrc/shared/expert_cache.h.
 //
 // Control kernel: ONE block of kThreads threads, so every phase is ordered by __syncthreads
 // alone and the whole step is one graph-capturable launch whose outputs have fixed shapes (the
@@ -25,9 +26,12 @@
 #include <cstdint>
 
 #include "expert_cache.h"
+#include "shared/expert_cache.h"
 
 namespace sglk_cuda {
 namespace {
+
+namespace ec = sglk::expert_cache;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -133,16 +137,6 @@ __device__ void block_select(int64_t n, int cap, Gen gen, long long* out_a, int*
   __syncthreads();
 }
 
-// Step 4 before the capacity limits; same float64 expression as the CPU op and reference.py
-// (explicit _rn intrinsics: no fused multiply-add).
-__device__ __forceinline__ int policy_fill_count(int policy, int m, double fill_ratio) {
-  if (policy == 1) return m;
-  if (policy == 2 || m == 0) return 0;
-  const double r = floor(__dadd_rn(__dmul_rn(static_cast<double>(m), fill_ratio), 0.5));
-  const int q = r >= static_cast<double>(m) ? m : static_cast<int>(r);
-  return max(1, min(q, m));
-}
-
 __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const ControlArgs p) {
   extern __shared__ int32_t smem[];
   const int E = p.num_experts;
@@ -199,7 +193,8 @@ __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const Co
   const int hits = s_hits, m = s_misses;
 
   // 4-6. q, victims (one pass over the slot table), fill order
-  int q = min(policy_fill_count(p.policy, m, p.fill_ratio), p.num_fill);
+  const int64_t wanted = ec::policy_fill_count(static_cast<ec::MissPolicy>(p.policy), m, p.fill_ratio);
+  int q = static_cast<int>(wanted < p.num_fill ? wanted : p.num_fill);
   if (q > 0) {  // uniform
     int64_t* const lu = p.slot_last_use;
     block_select(
@@ -264,20 +259,20 @@ __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const Co
 
   // 9. counts, stats
   if (tid == 0) {
-    p.counts[0] = q;
-    p.counts[1] = m - q;
-    p.counts[2] = hits;
-    p.counts[3] = m;
-    p.stats[0] += hits;
-    p.stats[1] += m;
-    p.stats[2] += q;
-    p.stats[3] += m - q;
+    p.counts[ec::stat::fills] = q;
+    p.counts[ec::stat::cpu_experts] = m - q;
+    p.counts[ec::stat::hits] = hits;
+    p.counts[ec::stat::misses] = m;
+    p.stats[ec::stat::fills] += q;
+    p.stats[ec::stat::cpu_experts] += m - q;
+    p.stats[ec::stat::hits] += hits;
+    p.stats[ec::stat::misses] += m;
   }
 }
 
 __global__ void __launch_bounds__(kCopyThreads) expert_bank_copy_kernel(const BankCopyArgs p) {
   const int i = blockIdx.x;
-  if (i >= p.counts[0]) return;  // device-side valid count
+  if (i >= p.counts[ec::stat::fills]) return;  // device-side valid count
   const int b = blockIdx.y;
   const int64_t sr = p.fill_src[i], dr = p.fill_dst[i];
   if (sr < 0 || sr >= p.src_rows[b] || dr < 0 || dr >= p.dst_rows[b]) return;

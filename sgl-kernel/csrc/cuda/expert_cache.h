@@ -10,11 +10,13 @@
 
 #include <cstdint>
 
+#include "shared/expert_cache.h"
+
 namespace sglk_cuda {
 
-// Limits of the single-block control kernel.
-constexpr int kControlMaxExperts = 4096;  // E: per-expert token counts live in shared memory
-constexpr int kControlMaxFill = 32;       // F: the sorted victim / fill lists are one warp wide
+// Limits of the single-block control kernel (csrc/shared/expert_cache.h).
+constexpr int kControlMaxExperts = sglk::expert_cache::kCudaMaxExperts;
+constexpr int kControlMaxFill = sglk::expert_cache::kCudaMaxFill;
 constexpr int kBankCopyMaxBanks = 16;     // banks per launch (more banks: one launch per 16)
 
 struct ControlArgs {
@@ -33,10 +35,10 @@ struct ControlArgs {
   int32_t* fill_src;  // [num_fill]
   int32_t* fill_dst;  // [num_fill]
   int32_t num_fill;   // F <= kControlMaxFill
-  int32_t* counts;    // [4]
-  int64_t* stats;     // [4]
+  int32_t* counts;    // [stat::count] this call's counters (csrc/shared/expert_cache.h)
+  int64_t* stats;     // [stat::count] their running sums
   double fill_ratio;
-  int32_t policy;  // 0 qstar, 1 fill, 2 cpu
+  int32_t policy;  // a sglk::expert_cache::MissPolicy
 };
 
 // One block; enqueued on `stream`, no host synchronization. Returns the launch error.
@@ -51,7 +53,7 @@ struct BankCopyArgs {
   int64_t dst_rows[kBankCopyMaxBanks];
   const int32_t* fill_src;  // [num_fill]
   const int32_t* fill_dst;  // [num_fill]
-  const int32_t* counts;    // counts[0] = valid fills
+  const int32_t* counts;    // counts[stat::fills] = valid fills
   int32_t num_fill;
 };
 

@@ -4,9 +4,17 @@ One LRU pool of complete-expert slots shared by all MoE layers, keyed by (layer,
 per layer a device-side control step splits the misses between cache fills and CPU
 execution from the host pool (FreeToken §3.2, §4). Enabled with ``--enable-expert-cache``.
 
-Modules: ``config`` (flags, sizes), ``banks`` (bank layout, host pool and slots),
-``control`` / ``reference`` (the control op and its Python model), ``bandwidth`` (B_P / B_H),
-``cache`` (the shared cache and one layer call), ``method`` (the ``FusedMoE`` wiring).
+Modules, by job (see README.md beside them):
+
+* ``config``: the flags, the cache size spec and the slot count;
+* ``control`` / ``reference``: typed wrappers of the control op and the bank copy, and the
+  op's executable specification (steps 1-9);
+* ``banks``: the bank layout, the host pool and the slots;
+* ``bandwidth`` / ``bandwidth_probe``: the B_P / B_H profile and its startup measurement;
+* ``cache``: the shared cache and one layer call; ``cuda_branch``: that call on CUDA, with its
+  CPU branch on a side stream; ``metrics``: the Prometheus export;
+* ``routing_trace``: the routing recorder; ``method``: the ``FusedMoE`` wiring and its
+  compatibility guard.
 """
 
 from sglang.srt.layers.moe.expert_cache.method import (

@@ -88,6 +88,8 @@ class ExpertBanks:
         device: torch.device | str,
     ):
         self.format = fmt
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
         self.specs = fmt.banks(hidden_size, intermediate_size)
         self.rows = rows
         self.device = torch.device(device)

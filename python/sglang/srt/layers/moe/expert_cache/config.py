@@ -2,35 +2,21 @@
 
 The flags live in ``ExecMoe`` (patch ``0030-expert-cache-server-args``); this module turns
 them into an :class:`ExpertCacheConfig` and resolves ``--expert-cache-size`` into a slot
-count once the expert shape is known.
+count once the expert shape is known (:func:`resolve_slots`).
 """
 
 from __future__ import annotations
 
-import enum
+import logging
 import re
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 
-class MissPolicy(enum.IntEnum):
-    """What the per-layer control step does with the ``m`` misses of a layer call.
+from sglang.srt.layers.moe.expert_cache.control import MissPolicy
 
-    The values are the ``policy`` argument of ``sgl_kernel.expert_cache_control``.
-    """
-
-    QSTAR = 0  # q = round(m * B_P / B_H) fills, at least 1 (FreeToken Eq. 4); the rest on CPU
-    FILL = 1  # every miss filled, like upstream's paged experts
-    CPU = 2  # no fill ever: the cache keeps its load-time placement, misses run on CPU
-
-    @classmethod
-    def parse(cls, name: str) -> "MissPolicy":
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            raise ValueError(
-                f"--expert-cache-policy must be one of qstar, fill, cpu; got {name!r}"
-            ) from None
+logger = logging.getLogger(__name__)
 
 
 _SIZE_RE = re.compile(
@@ -163,3 +149,51 @@ class ExpertCacheConfig:
             max_fills=max_fills,
             record_routing=getattr(moe, "expert_cache_record_routing", None),
         )
+
+
+def auto_slots(device: torch.device, expert_bytes: int) -> int:
+    """What ``--expert-cache-size auto`` means on ``device``, in slots of ``expert_bytes``.
+
+    CPU: 0 slots. The "device" is the host, so a copy of an expert is never faster to execute
+    than the pool row itself; every expert runs from the pool.
+    CUDA: half of the free device memory after the weights (the other half is left to KV pages
+    and activations), in whole experts.
+    """
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * 0.5) // expert_bytes
+
+
+def resolve_slots(
+    size: CacheSize, *, pool_experts: int, expert_bytes: int, top_k: int, device: torch.device
+) -> int:
+    """The slot count for ``size``: at least ``top_k`` slots, or 0 (every expert on the CPU).
+
+    Args:
+        size: the parsed ``--expert-cache-size``.
+        pool_experts: routed experts in the model (MoE layers x experts per layer).
+        expert_bytes: bytes of one complete expert across all banks.
+        top_k: experts routed per token; fewer slots than one layer call's top-k are useless.
+        device: where the slots live (for ``auto``).
+
+    Raises:
+        ValueError: an explicit size that gives fewer than ``top_k`` slots; the message says
+            how many bytes ``top_k`` slots take.
+    """
+    slots = size.resolve(pool_experts, expert_bytes, auto_slots(device, expert_bytes))
+    if slots >= top_k:
+        return slots
+    if not size.is_auto:
+        raise ValueError(
+            f"--expert-cache-size gives {slots} expert slots, fewer than one layer's "
+            f"top-k ({top_k}); give at least {top_k} slots "
+            f"({top_k * expert_bytes / 1e6:.1f} MB) or leave it at auto"
+        )
+    if slots > 0:
+        logger.warning(
+            "Expert cache: only %d slots fit (top-k is %d); every expert runs on the CPU",
+            slots,
+            top_k,
+        )
+    return 0

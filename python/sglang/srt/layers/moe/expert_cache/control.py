@@ -1,25 +1,26 @@
-"""Expert-cache control: thin wrappers over the ``torch.ops.sgl_kernel`` ops, and their
-fixed-shape buffers.
+"""Typed wrappers of the expert-cache ops: the only way Python calls them.
 
-FreeToken (paper §3.2, §4.1 "Device-side cache control") keeps one LRU pool of ``S`` GPU expert
-slots shared by all MoE layers. Per MoE layer, one op call
-(:func:`expert_cache_control`) deduplicates the routed experts, classifies them against the
-residency tables, sizes the fill set ``q`` from Eq. 4 (``q* = m * B_P / B_H``), picks LRU
-victims in one pass, updates the tables and rewrites the routed ids into GPU slot ids or CPU
-ids; one fused launch (:func:`expert_bank_copy`) then copies the filled experts' rows of every
-weight bank. Everything stays on the device: outputs have fixed shapes, the valid counts are
-device tensors, nothing synchronizes with the host, so both ops can be captured in a CUDA
-graph.
+FreeToken (paper §3.2, §4.1 "Device-side cache control") keeps one LRU pool of ``S`` device
+expert slots shared by all MoE layers. Per MoE layer, one op call (:func:`expert_cache_control`)
+deduplicates the routed experts, classifies them against the residency tables, sizes the fill
+set ``q`` from Eq. 4 (``q* = m * B_P / B_H``), picks LRU victims in one pass, updates the tables
+and rewrites the routed ids into slot ids or CPU ids; one fused launch
+(:func:`expert_bank_copy`) then copies the filled experts' rows of every weight bank. Everything
+stays on the device: outputs have fixed shapes, the valid counts are device tensors, nothing
+synchronizes with the host, so both ops can be captured in a CUDA graph.
 
-The exact semantics (steps 1-9) are the docstring of :mod:`reference` beside this module
-(``ReferenceExpertCache``). The ops run on CPU tensors (C++) and on CUDA tensors (CUDA kernel,
-when ``sgl_kernel_fork`` was built with CUDA); both implement the same steps.
+The exact semantics (steps 1-9) are the docstring of :mod:`reference` beside this module. The
+ops run on CPU tensors (C++, ``sgl-kernel/csrc/cpu/expert_cache.cpp``) and on CUDA tensors
+(``sgl-kernel/csrc/cuda/expert_cache.cu``, when ``sgl_kernel_fork`` was built with CUDA). The
+enumerations :class:`MissPolicy` and :class:`Stat` are defined once, in
+``sgl-kernel/csrc/shared/expert_cache.h``, and read from the op library at import.
 
 This module imports only torch and ``sgl_kernel_fork`` (which registers the ops).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -27,44 +28,95 @@ import torch
 
 import sgl_kernel_fork  # noqa: F401  (registers torch.ops.sgl_kernel.expert_cache_*)
 
-POLICY_QSTAR = 0  # fill q* = clamp(round(m * fill_ratio), 1, m) of the m misses (Eq. 4)
-POLICY_FILL = 1  # fill every miss (up to F and the free capacity): on-demand LRU cache
-POLICY_CPU = 2  # never fill: static cache, every miss runs on the CPU
-POLICIES = {"qstar": POLICY_QSTAR, "fill": POLICY_FILL, "cpu": POLICY_CPU}
 
-# Limits of the CUDA kernel (checked on the host, without a device sync). The CPU op has none
-# beyond int32 ids.
-CUDA_MAX_EXPERTS = 4096  # experts per layer (E)
-CUDA_MAX_FILL = 32  # F, the fill-list capacity per call
+class _OpEnum(enum.IntEnum):
+    """An enumeration of ``csrc/shared/expert_cache.h``: members in value order, named as the
+    header names them (upper case here)."""
+
+    @classmethod
+    def _from_op(cls, name: str, kind: str, what: str, doc: str):
+        names = torch.ops.sgl_kernel.expert_cache_enum(kind)
+        made = cls(name, [(n.upper(), i) for i, n in enumerate(names)], module=__name__)
+        made.__doc__ = doc
+        made._what = what  # how parse() errors name the value
+        return made
+
+    @classmethod
+    def parse(cls, value: Union[int, str, "_OpEnum"]):
+        """A member from itself, its value or its (case-insensitive) name.
+
+        Raises:
+            ValueError: no member has that name or value; the message lists the names.
+        """
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+        else:
+            try:
+                return cls(int(value))
+            except ValueError:
+                pass
+        names = ", ".join(m.name.lower() for m in cls)
+        raise ValueError(f"{cls._what} must be one of {names}; got {value!r}")
 
 
-def _policy(policy: Union[int, str]) -> int:
-    if isinstance(policy, str):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(POLICIES)}")
-        return POLICIES[policy]
-    return int(policy)
+MissPolicy = _OpEnum._from_op(
+    "MissPolicy",
+    "miss_policy",
+    "--expert-cache-policy",
+    """What the per-layer control step does with the ``m`` misses of a layer call
+    (``--expert-cache-policy``; the value is the op's ``policy`` argument).
+
+    QSTAR: ``q = clamp(round(m * B_P / B_H), 1, m)`` fills (paper Eq. 4), the rest on the CPU.
+    FILL: every miss filled (an on-demand LRU cache, as upstream's paged experts).
+    CPU: no fill ever; the load-time placement stays and every miss runs on the CPU.
+    """,
+)
+
+Stat = _OpEnum._from_op(
+    "Stat",
+    "stat",
+    "an expert-cache counter",
+    """Index of each counter in a call's ``counts`` (int32) and in the cumulative ``stats``
+    (int64): FILLS (``q``), CPU_EXPERTS (``m - q``), HITS and MISSES (``m``), each counting
+    distinct experts of one layer call. ``counts[FILLS]`` is also the fill list's valid length.
+    """,
+)
+
+# Limits of the CUDA control kernel (``csrc/shared/expert_cache.h``): experts per layer (E) and
+# the fill-list capacity per call (F), checked on the host at startup. The CPU op has none beyond
+# int32 ids.
+CUDA_MAX_EXPERTS, CUDA_MAX_FILL = torch.ops.sgl_kernel.expert_cache_cuda_limits()
 
 
 @dataclass(frozen=True)
 class ExpertCacheTables:
-    """The four slot tables of one expert cache (all layers share the slot pool).
+    """The state of one expert cache (all layers share the slot pool), updated in place by
+    :func:`expert_cache_control`.
 
     ``slot_of_id[L*E]`` int32 (slot or -1), ``id_of_slot[S]`` int32 (global id ``layer*E +
     expert`` or -1), ``slot_last_use[S]`` int64 (clock value of the last use, -1 = never),
-    ``clock[1]`` int64. Updated in place by :func:`expert_cache_control`.
+    ``clock[1]`` int64 (layer calls so far), ``stats[len(Stat)]`` int64 (running sums of the
+    calls' counters, indexed by :class:`Stat`).
     """
 
     slot_of_id: torch.Tensor
     id_of_slot: torch.Tensor
     slot_last_use: torch.Tensor
     clock: torch.Tensor
+    stats: torch.Tensor
 
     @staticmethod
     def allocate(
         num_layers: int, num_experts: int, num_slots: int, device: Union[str, torch.device] = "cpu"
     ) -> "ExpertCacheTables":
-        """Empty cache: every slot empty and never used, clock 0."""
+        """An empty cache: every slot empty and never used, clock and counters 0.
+
+        Raises:
+            ValueError: ``num_layers * num_experts`` does not fit in int32.
+        """
         if num_layers * num_experts >= 2**31:
             raise ValueError("L * E must fit in int32")
         i32 = dict(dtype=torch.int32, device=device)
@@ -74,58 +126,62 @@ class ExpertCacheTables:
             id_of_slot=torch.full((num_slots,), -1, **i32),
             slot_last_use=torch.full((num_slots,), -1, **i64),
             clock=torch.zeros(1, **i64),
+            stats=torch.zeros(len(Stat), **i64),
         )
+
+    @property
+    def num_slots(self) -> int:
+        return self.id_of_slot.numel()
 
 
 @dataclass(frozen=True)
-class ControlBuffers:
-    """Fixed-shape outputs of :func:`expert_cache_control` for batches of up to ``max_tokens``.
+class FillList:
+    """The fill work list of one control call: ``fill_src[F]`` / ``fill_dst[F]`` int32 (global id
+    to copy from the host pool, slot to copy it into; -1 past the valid entries) and
+    ``counts[len(Stat)]`` int32, the call's counters; ``counts[Stat.FILLS]`` valid entries.
 
-    ``slot_ids``/``cpu_ids``: ``[max_tokens, top_k]`` int32 (a batch of ``T`` tokens uses the
-    contiguous prefix ``[:T]``, see :meth:`rows`); ``fill_src``/``fill_dst``: ``[num_fill]``
-    int32 (``F``, the most fills per call); ``counts``: ``[4]`` int32 of the last call;
-    ``stats``: ``[4]`` int64, cumulative over the calls that used these buffers.
+    Fixed shapes on the device, so a CUDA graph can capture the calls that write and read it.
+    """
+
+    fill_src: torch.Tensor
+    fill_dst: torch.Tensor
+    counts: torch.Tensor
+
+    @staticmethod
+    def allocate(num_fill: int, device: Union[str, torch.device] = "cpu") -> "FillList":
+        """Room for ``num_fill`` (``F``) fills, all entries -1 and counts 0.
+
+        Raises:
+            ValueError: ``num_fill < 0``.
+        """
+        if num_fill < 0:
+            raise ValueError(f"num_fill must be >= 0, got {num_fill}")
+        i32 = dict(dtype=torch.int32, device=device)
+        return FillList(
+            fill_src=torch.full((num_fill,), -1, **i32),
+            fill_dst=torch.full((num_fill,), -1, **i32),
+            counts=torch.zeros(len(Stat), **i32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        """``F``, the most fills one call may make."""
+        return self.fill_src.numel()
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The result of one control call.
+
+    ``slot_ids[T, K]`` int32: the slot of an entry executed on the device (a hit or a fill),
+    else -1. ``cpu_ids[T, K]`` int32: the global id (a host-pool row) of an entry executed on the
+    CPU, else -1. Padding is -1 in both; every routed entry is in exactly one. ``fills``: the
+    call's work list, for :func:`expert_bank_copy`.
     """
 
     slot_ids: torch.Tensor
     cpu_ids: torch.Tensor
-    fill_src: torch.Tensor
-    fill_dst: torch.Tensor
-    counts: torch.Tensor
-    stats: torch.Tensor
-
-    @staticmethod
-    def allocate(
-        max_tokens: int, top_k: int, num_fill: int, device: Union[str, torch.device] = "cpu"
-    ) -> "ControlBuffers":
-        if max_tokens < 0 or top_k < 0 or num_fill < 0:
-            raise ValueError("max_tokens, top_k and num_fill must be >= 0")
-        i32 = dict(dtype=torch.int32, device=device)
-        return ControlBuffers(
-            slot_ids=torch.full((max_tokens, top_k), -1, **i32),
-            cpu_ids=torch.full((max_tokens, top_k), -1, **i32),
-            fill_src=torch.full((num_fill,), -1, **i32),
-            fill_dst=torch.full((num_fill,), -1, **i32),
-            counts=torch.zeros(4, **i32),
-            stats=torch.zeros(4, dtype=torch.int64, device=device),
-        )
-
-    @property
-    def num_fill(self) -> int:
-        return self.fill_src.numel()
-
-    def rows(self, num_tokens: int) -> "ControlBuffers":
-        """Views for a batch of ``num_tokens`` tokens (same storage; stats shared)."""
-        if not 0 <= num_tokens <= self.slot_ids.shape[0]:
-            raise ValueError(f"num_tokens {num_tokens} outside [0, {self.slot_ids.shape[0]}]")
-        return ControlBuffers(
-            self.slot_ids[:num_tokens],
-            self.cpu_ids[:num_tokens],
-            self.fill_src,
-            self.fill_dst,
-            self.counts,
-            self.stats,
-        )
+    fills: FillList
 
 
 def expert_cache_control(
@@ -133,10 +189,10 @@ def expert_cache_control(
     layer: int,
     num_experts: int,
     tables: ExpertCacheTables,
-    out: ControlBuffers,
+    fills: FillList,
     fill_ratio: float,
-    policy: Union[int, str] = POLICY_QSTAR,
-) -> None:
+    policy: Union[int, str] = 0,
+) -> Routing:
     """One MoE layer's cache step: ``torch.ops.sgl_kernel.expert_cache_control``.
 
     Args:
@@ -144,31 +200,36 @@ def expert_cache_control(
             -1 = padding.
         layer: MoE layer index; global ids are ``layer * num_experts + expert``.
         num_experts: ``E``, routed experts per layer.
-        tables: the cache tables (updated in place; same device as ``topk_ids``).
-        out: buffers with ``out.slot_ids``/``out.cpu_ids`` of ``topk_ids``' shape (use
-            ``ControlBuffers.rows(T)``). Written: ``slot_ids[t, k]`` = GPU slot of a
-            device-executed entry else -1; ``cpu_ids[t, k]`` = global id of a CPU-executed entry
-            else -1; ``fill_src[:q]``/``fill_dst[:q]`` = global ids to copy from the host pool
-            into slots (the rest -1); ``counts`` = ``[q, m - q, hits, m]`` (fills, CPU-executed
-            distinct experts, distinct hits, distinct misses); ``stats += [hits, m, q, m - q]``.
+        tables: the cache state, updated in place (same device as ``topk_ids``); its ``stats``
+            gain this call's counters.
+        fills: the work list to write (overwritten: ``fill_src[:q]`` / ``fill_dst[:q]`` = global
+            ids to copy into slots, the rest -1; ``counts`` = this call's counters by
+            :class:`Stat`). Returned in the result.
         fill_ratio: ``B_P / B_H`` (pinned transfer bandwidth over host expert-processing
             bandwidth, both in the same unit, e.g. GB/s), >= 0 and finite. Used by ``qstar``:
             ``q = clamp(floor(m * fill_ratio + 0.5), 1, m)`` for ``m > 0`` (paper Eq. 4).
-        policy: ``"qstar"``/0, ``"fill"``/1 (every miss filled) or ``"cpu"``/2 (none filled).
-            In all policies ``q <= F`` and ``q <=`` the slots not hit in this call.
+        policy: a :class:`MissPolicy`, its value or its name. In all policies ``q <= F`` and
+            ``q <=`` the slots not hit in this call (so ``q == 0`` with no slots).
 
-    Errors (RuntimeError, raised before any state changes): wrong dtype, device, shape or
-    contiguity; ``layer``/``num_experts`` outside ``slot_of_id``; bad policy or ratio; on CPU a
-    routed id outside ``[-1, E)``. On CUDA such ids count as padding (the kernel cannot raise
-    without a host sync), and ``E > CUDA_MAX_EXPERTS`` or ``F > CUDA_MAX_FILL`` are errors. On
-    CPU a corrupt table entry (slot or id out of range) raises with the state unspecified; the
-    CUDA kernel does not detect it (an out-of-range slot counts as a miss, writes through an
-    out-of-range id are skipped).
+    Returns:
+        :class:`Routing` with new ``[T, K]`` int32 ``slot_ids`` / ``cpu_ids`` and ``fills``.
+
+    Raises:
+        ValueError: an unknown policy name or value.
+        RuntimeError: (the op, before any state changes) wrong dtype, device, shape or
+            contiguity; ``layer``/``num_experts`` outside ``slot_of_id``; bad ratio; on CPU a
+            routed id outside ``[-1, E)``. On CUDA such ids count as padding (the kernel cannot
+            raise without a host sync), and ``E > CUDA_MAX_EXPERTS`` or ``F > CUDA_MAX_FILL``
+            are errors. On CPU a corrupt table entry (slot or id out of range) raises with the
+            state unspecified; the CUDA kernel does not detect it (an out-of-range slot counts as
+            a miss, writes through an out-of-range id are skipped).
 
     Cost: linear in ``T * K`` and in ``S`` (one pass over ``slot_last_use``, skipped when
-    ``q == 0``); the CUDA kernel is one block of 512 threads, so it is sized for decode batches
-    rather than large prefill batches.
+    ``q == 0``); the CUDA kernel is one block of 512 threads, sized for decode batches rather
+    than large prefill batches.
     """
+    slot_ids = torch.empty_like(topk_ids)
+    cpu_ids = torch.empty_like(topk_ids)
     torch.ops.sgl_kernel.expert_cache_control(
         topk_ids,
         layer,
@@ -177,27 +238,24 @@ def expert_cache_control(
         tables.id_of_slot,
         tables.slot_last_use,
         tables.clock,
-        out.slot_ids,
-        out.cpu_ids,
-        out.fill_src,
-        out.fill_dst,
-        out.counts,
-        out.stats,
+        slot_ids,
+        cpu_ids,
+        fills.fill_src,
+        fills.fill_dst,
+        fills.counts,
+        tables.stats,
         float(fill_ratio),
-        _policy(policy),
+        int(MissPolicy.parse(policy)),
     )
+    return Routing(slot_ids, cpu_ids, fills)
 
 
 def expert_bank_copy(
-    src_banks: Sequence[torch.Tensor],
-    dst_banks: Sequence[torch.Tensor],
-    fill_src: torch.Tensor,
-    fill_dst: torch.Tensor,
-    counts: torch.Tensor,
+    src_banks: Sequence[torch.Tensor], dst_banks: Sequence[torch.Tensor], fills: FillList
 ) -> None:
     """Copy the filled experts into their slots: ``torch.ops.sgl_kernel.expert_bank_copy``.
 
-    For ``i < counts[0]`` and every bank ``b``: ``dst_banks[b][fill_dst[i]] =
+    For ``i < fills.counts[Stat.FILLS]`` and every bank ``b``: ``dst_banks[b][fill_dst[i]] =
     src_banks[b][fill_src[i]]`` (rows along the leading dimension; paper §4.1/§4.2: every bank
     shares the expert-to-slot mapping, so one index list drives all banks).
 
@@ -207,11 +265,13 @@ def expert_bank_copy(
             pointers) or CUDA tensors.
         dst_banks: slot banks, ``[S, ...]``, contiguous, same dtype and row shape as the
             matching source bank (banks may differ from one another in both).
-        fill_src, fill_dst: ``[F]`` int32 (from :func:`expert_cache_control`).
-        counts: int32, ``counts[0]`` = number of valid entries (the control op's ``counts``).
+        fills: the work list of :func:`expert_cache_control` (or one built by hand).
 
-    The CPU op copies with memcpy in parallel over (fill, bank) and raises on indices out of
-    range. The CUDA op is one launch, masked on the device by ``counts[0]`` (no host sync);
-    out-of-range indices there are skipped.
+    Raises:
+        RuntimeError: mismatched banks or work list. The CPU op copies with memcpy in parallel
+            over (fill, bank) and raises on indices out of range; the CUDA op is one launch,
+            masked on the device by the fill count (no host sync), and skips such indices.
     """
-    torch.ops.sgl_kernel.expert_bank_copy(list(src_banks), list(dst_banks), fill_src, fill_dst, counts)
+    torch.ops.sgl_kernel.expert_bank_copy(
+        list(src_banks), list(dst_banks), fills.fill_src, fills.fill_dst, fills.counts
+    )

@@ -19,10 +19,10 @@ padding), with ``F`` = capacity of the fill lists, does exactly:
    nowhere. ``tokens[e]`` = number of ``(t, k)`` entries routed to ``e``.
 3. Hits: distinct ids with ``slot_of_id[g] >= 0``; each sets ``slot_last_use[slot] = now``.
    Misses: the ``m`` distinct non-resident ids.
-4. Fill count ``q``: policy ``qstar`` (0): ``0 if m == 0 else clamp(floor(m * fill_ratio +
+4. Fill count ``q``: policy ``qstar``: ``0 if m == 0 else clamp(floor(m * fill_ratio +
    0.5), 1, m)`` (paper Eq. 4, ``q* = m * B_P / B_H`` rounded, at least one fill so the cache
-   keeps warming; ``fill_ratio = B_P / B_H``, computed in float64); ``fill`` (1): ``m``; ``cpu``
-   (2): 0 (static cache, every miss on the CPU). Then ``q = min(q, F, candidates)``, where the
+   keeps warming; ``fill_ratio = B_P / B_H``, computed in float64); ``fill``: ``m``; ``cpu``:
+   0 (static cache, every miss on the CPU). Then ``q = min(q, F, candidates)``, where the
    candidates are the slots with ``slot_last_use != now`` (every slot but this call's hits).
 5. Fill order among the misses: most routed tokens first, ties by lower expert id. The first
    ``q`` misses in that order are filled (the set F of the paper); the other ``m - q`` run on
@@ -37,12 +37,14 @@ padding), with ``F`` = capacity of the fill lists, does exactly:
 8. Rewrite: ``slot_ids[t, k]`` = ``slot_of_id[g]`` if ``g`` is resident after step 7 (a hit or
    a fill: executed on the GPU), else -1; ``cpu_ids[t, k]`` = ``g`` for CPU-executed entries,
    else -1. Padding is -1 in both. Every routed entry is in exactly one of the two.
-9. ``counts = [q, m - q, hits, m]`` (this call; ``hits`` and ``m`` count distinct experts);
-   ``stats += [hits, m, q, m - q]`` (int64, cumulative). ``fill_src[i]`` and ``fill_dst[i]``
-   for ``i >= q`` are -1.
+9. ``counts`` = this call's counters, indexed by ``Stat``: ``counts[FILLS] = q``,
+   ``counts[CPU_EXPERTS] = m - q``, ``counts[HITS] = hits``, ``counts[MISSES] = m`` (``hits``
+   and ``m`` count distinct experts); ``stats += counts`` (int64, cumulative). ``fill_src[i]``
+   and ``fill_dst[i]`` for ``i >= q`` are -1.
 
-The model keeps the tables in Python lists and uses no torch operation, so tests can compare
-the compiled ops against it table by table.
+The model keeps the tables in Python lists and computes with no torch operation (it takes only
+the enumerations from :mod:`control`), so tests can compare the compiled ops against it table by
+table.
 """
 
 from __future__ import annotations
@@ -51,23 +53,23 @@ import math
 from dataclasses import dataclass
 from typing import List, Sequence
 
-POLICY_QSTAR = 0
-POLICY_FILL = 1
-POLICY_CPU = 2
-POLICIES = {"qstar": POLICY_QSTAR, "fill": POLICY_FILL, "cpu": POLICY_CPU}
+from sglang.srt.layers.moe.expert_cache.control import MissPolicy, Stat
 
 
 def fill_count(policy: int, misses: int, fill_ratio: float) -> int:
-    """Step 4 before the capacity limits: how many of ``misses`` distinct misses to fill."""
-    if policy == POLICY_QSTAR:
+    """Step 4 before the capacity limits: how many of ``misses`` distinct misses to fill.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    policy = MissPolicy.parse(policy)
+    if policy == MissPolicy.QSTAR:
         if misses == 0:
             return 0
         return min(max(int(math.floor(misses * fill_ratio + 0.5)), 1), misses)
-    if policy == POLICY_FILL:
+    if policy == MissPolicy.FILL:
         return misses
-    if policy == POLICY_CPU:
-        return 0
-    raise ValueError(f"unknown policy {policy}")
+    return 0  # MissPolicy.CPU
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ControlResult:
     cpu_ids: List[List[int]]  # [T][K]
     fill_src: List[int]  # [F]
     fill_dst: List[int]  # [F]
-    counts: List[int]  # [q, m - q, hits, m]
+    counts: List[int]  # [len(Stat)], indexed by Stat
 
 
 class ReferenceExpertCache:
@@ -93,7 +95,7 @@ class ReferenceExpertCache:
         self.id_of_slot: List[int] = [-1] * num_slots
         self.slot_last_use: List[int] = [-1] * num_slots
         self.clock: int = 0
-        self.stats: List[int] = [0, 0, 0, 0]  # hits, misses, fills, cpu-executed
+        self.stats: List[int] = [0] * len(Stat)  # running sums of the calls' counts
 
     def control(
         self,
@@ -169,9 +171,12 @@ class ReferenceExpertCache:
             slot_ids.append(srow)
             cpu_ids.append(crow)
         # 9. counts and stats
-        counts = [q, m - q, len(hits), m]
-        for i, x in enumerate((len(hits), m, q, m - q)):
-            self.stats[i] += x
+        counts = [0] * len(Stat)
+        counts[Stat.FILLS] = q
+        counts[Stat.CPU_EXPERTS] = m - q
+        counts[Stat.HITS] = len(hits)
+        counts[Stat.MISSES] = m
+        self.stats = [a + b for a, b in zip(self.stats, counts)]
         return ControlResult(slot_ids, cpu_ids, fill_src, fill_dst, counts)
 
     def check_invariants(self) -> None:
