@@ -1,4 +1,4 @@
-// CPU expert executor (paper §3.2 CPU execution set C, §4.1 "Graph-resident CPU
+// CPU executor (paper §3.2 CPU execution set C, §4.1 "Graph-resident CPU
 // execution"): routed experts computed on the host, from any number of expert
 // bank sets, on the persistent pinned pool of cpu_executor_pool.h.
 //
@@ -108,10 +108,9 @@ int64_t scratch_budget() {
   return std::max<int64_t>(1, static_cast<int64_t>(mb * (1 << 20)));
 }
 // Weight bytes per phase-1/2 item. Items are handed out in turn, so with N threads each
-// thread's stream jumps every item; the hardware prefetchers ramp up again after each jump.
-// 128 KB items reached 0.76 of the read bandwidth on 2 threads when the memory ran at
-// ~53 GB/s, 512 KB items 0.89 (batch 1, 256 cold Qwen3-30B-A3B experts; both ~0.95 at
-// ~35 GB/s). With many threads each one's share of the bandwidth is small (the jumps cost
+// thread's stream jumps every item; the hardware prefetchers ramp up again after each jump,
+// so few threads want large items (512 KB against 128 KB: benchmark/RESULTS.md, CPU
+// executor). With many threads each one's share of the bandwidth is small (the jumps cost
 // less) and items must stay plentiful (a top-8 decode of 9.4 MB experts makes ~150 items
 // of 512 KB), so the size steps down: 512 KB up to 4 threads, 256 KB at 8, 128 KB from 16.
 int64_t item_bytes() {

@@ -1,4 +1,4 @@
-// Fixed-address calls of the CPU expert executor, for a CUDA stream (FreeToken §4, "Graph-resident
+// Fixed-address calls of the CPU executor, for a CUDA stream (FreeToken §4, "Graph-resident
 // CPU execution").
 //
 // A plan holds four staging tensors (page-locked CPU memory in practice: hidden [Tmax, H] bf16,

@@ -1,4 +1,4 @@
-// Persistent pinned worker pool of the CPU expert executor (see cpu_executor_pool.h).
+// Persistent pinned worker pool of the CPU executor (see cpu_executor_pool.h).
 #include "cpu_executor_pool.h"
 
 #include <sched.h>

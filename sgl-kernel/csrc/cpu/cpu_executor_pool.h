@@ -1,4 +1,4 @@
-// Persistent worker pool of the CPU expert executor (paper §4.1, "Graph-resident
+// Persistent worker pool of the CPU executor (paper §4.1, "Graph-resident
 // CPU execution": "The workers themselves form a persistent C++ pool pinned to
 // physical cores").
 //

@@ -7,7 +7,7 @@ Two kinds of operators, one package:
   upstream sgl-kernel provides; these are written from scratch for this fork. On a CPU-only
   machine the install also provides the alias package ``sgl_kernel`` (``sgl-kernel/alias``),
   the name upstream imports;
-* the fork's own operators (the expert-slot cache and the CPU expert executor), which our
+* the fork's own operators (the expert-slot cache and the CPU executor), which our
   modules import as ``sgl_kernel_fork`` on every machine. On a CUDA machine upstream's
   ``sglang-kernel`` wheel owns the ``sgl_kernel`` import name and its ops; this package is
   installed beside it without the alias, and its registrations are ``TORCH_LIBRARY_FRAGMENT``s
@@ -29,7 +29,7 @@ Contents:
   ``copy_all_layer_kv_cache_cpu`` (memory management);
 * :mod:`sgl_kernel_fork.mamba`: ``causal_conv1d_fn_cpu``,
   ``causal_conv1d_update_cpu``, ``chunk_gated_delta_rule_cpu``;
-* :mod:`sgl_kernel_fork.cpu_executor`: the CPU expert executor
+* :mod:`sgl_kernel_fork.cpu_executor`: the CPU executor
   (``moe_experts_cpu``, ``moe_experts_cpu_submit`` / ``moe_experts_cpu_wait``,
   ``expert_pool_set_threads``, ``expert_pool_info``,
   ``expert_pool_read_bandwidth``; ops of the same names in
@@ -38,7 +38,7 @@ Contents:
   raise a RuntimeError when called (see :mod:`sgl_kernel_fork.speculative`).
 
 The SIMD kernels are built for scalar, AVX2 and AVX-512 (plus AVX512_BF16 for
-the expert executor) and picked at run time (``cpu_isa()``;
+the CPU executor) and picked at run time (``cpu_isa()``;
 ``SGLANG_CPU_KERNEL_ISA=avx2`` etc. caps the choice).
 """
 

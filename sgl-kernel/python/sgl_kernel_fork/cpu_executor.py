@@ -1,4 +1,4 @@
-"""CPU expert executor: routed MoE experts computed on the host (FreeToken §3.2, §4.1).
+"""CPU executor: routed MoE experts computed on the host (FreeToken §3.2, §4.1).
 
 The paper splits each decode step's expert-cache misses into cache fills and a
 CPU execution set; the experts of that set run here, on a persistent pool of

@@ -352,7 +352,7 @@ def cpu_isa() -> str:
     """Name of the SIMD kernel level in use: ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"scalar"``.
 
     ``avx512bf16`` (AVX-512 with AVX512_BF16) differs from ``avx512`` only in
-    the CPU expert executor, whose bf16 dots then use ``vdpbf16ps``.
+    the CPU executor, whose bf16 dots then use ``vdpbf16ps``.
     """
     return _ops.cpu_isa()
 

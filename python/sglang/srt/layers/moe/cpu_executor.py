@@ -1,14 +1,12 @@
-"""Routed experts of a resident bf16 MoE layer on the CPU, through the persistent expert executor.
+"""Routed experts of a resident bf16 MoE layer on the CPU, through the persistent CPU executor.
 
 Upstream 0.5.23 runs an unquantized ``FusedMoE`` layer on the CPU with
 ``torch.ops.sgl_kernel.fused_experts_cpu`` only when the CPU has AMX
 (``UnquantizedFusedMoEMethod.forward_cpu`` in ``layers/quantization/unquant.py``); everywhere
 else it falls back to ``moe_forward_native``, a Python loop over the experts with one bf16
-``torch.mm`` pair per expert that holds a token. On this project's machines (AVX-512 BF16, no
-AMX) that loop is most of a short prefill's time: about 0.9 s per layer call for 150 tokens of
-the tiny 64-expert model in the server on a loaded machine; ``benchmark/cpu_executor/bench_resident_layer.py``
-puts one layer call at 184 ms for 1 token and 72 ms for 150 against 0.2 ms and 13 ms here,
-because each small matmul pays a fixed cost. Patch ``0032-cpu-moe-expert-executor`` sends such
+``torch.mm`` pair per expert that holds a token, where each small matmul pays a fixed cost
+(``benchmark/cpu_executor/bench_resident_layer.py`` compares the two; figures in
+``benchmark/RESULTS.md``). Patch ``0032-cpu-moe-expert-executor`` sends such
 layers here instead: one ``sgl_kernel.moe_experts_cpu`` call over the layer's own
 ``w13_weight`` / ``w2_weight``, the same kernel (AVX-512 BF16 / AVX-512 / AVX2 / scalar, chosen
 at load) and worker pool that the expert-slot cache uses for its CPU misses
