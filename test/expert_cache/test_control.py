@@ -38,28 +38,8 @@ def step(op: OpCache, ref: reference.ReferenceExpertCache, topk, layer, ratio, p
 # ---------------------------------------------------------------- randomized sequences
 
 
-def _isas():
-    """The CPU op's victim pass has a scalar and an AVX2 path, chosen by the kernel ISA."""
-    out = []
-    for name in ("avx2", "scalar"):
-        try:
-            torch.ops.sgl_kernel.set_cpu_isa(name)
-            out.append(name)
-        except RuntimeError:
-            pass
-    torch.ops.sgl_kernel.set_cpu_isa("auto")
-    return out
-
-
-@pytest.fixture(params=_isas())
-def isa(request):
-    torch.ops.sgl_kernel.set_cpu_isa(request.param)
-    yield request.param
-    torch.ops.sgl_kernel.set_cpu_isa("auto")
-
-
 @pytest.mark.parametrize("seed", range(12))
-def test_random_sequences(seed, isa):
+def test_random_sequences(seed, victim_scan_isa):
     rng = random.Random(seed)
     L = rng.randint(1, 4)
     E = rng.choice([4, 8, 16, 33, 64])
@@ -207,7 +187,7 @@ def test_empty_slots_before_lru_and_ties_by_slot():
 
 
 @pytest.mark.parametrize("max_time", [5, 30])
-def test_prefilled_random_state(isa, max_time):
+def test_prefilled_random_state(victim_scan_isa, max_time):
     """Start from a random consistent state with tied and stale last-use values; with
     max_time 30 some slots even carry times after the clock (not produced by the op itself)."""
     rng = random.Random(7 + max_time)
@@ -228,7 +208,7 @@ def test_prefilled_random_state(isa, max_time):
 
 
 @pytest.mark.parametrize("F", [1, 5, 16])
-def test_large_table_random_ages(isa, F):
+def test_large_table_random_ages(victim_scan_isa, F):
     """Slot order unrelated to age (as in a warm cache): the victim pass keeps cutting its
     buffer of below-threshold keys, on the scalar and the SIMD path."""
     rng = random.Random(F)
