@@ -271,7 +271,7 @@ def commit_tree(repo: Path, tree_root: Path, message: str, parent: str | None) -
     ``parent``, through a temporary index; returns the commit id."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
-        git(repo, "--work-tree", str(tree_root), "add", "-A", "-f", ".", env=env)
+        git(repo, "--work-tree", str(tree_root.resolve()), "add", "-A", "-f", ".", env=env)
         tree = git(repo, "write-tree", env=env).stdout.strip()
     base_env = {
         "GIT_AUTHOR_NAME": BOT[0], "GIT_AUTHOR_EMAIL": BOT[1],
@@ -434,15 +434,16 @@ def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force:
     """
     version = wheel_version(wheel)
     patches = series(patch_dir)
+    dest = dest.resolve()
     prepare_dir(dest, force)
     git(dest, "init", "-q")
+    (dest / ".git" / MARKER).write_text(json.dumps({"wheel": wheel.name, "version": version}) + "\n")
     git(dest, "symbolic-ref", "HEAD", f"refs/heads/{BRANCH}")
     unpack_wheel(wheel, dest, only)
     base = commit_tree(dest, dest, f"sglang {version} (pristine, from {wheel.name})", None)
     git(dest, "update-ref", f"refs/heads/{BRANCH}", base)
     git(dest, "tag", f"{TAG_PREFIX}{version}", base)
     git(dest, "reset", "-q", base)  # the index, from the commit; the files are already there
-    (dest / ".git" / MARKER).write_text(json.dumps({"wheel": wheel.name, "version": version}) + "\n")
     if not patches:
         return
     res = git(dest, "am", "--committer-date-is-author-date", "--quiet",
@@ -469,6 +470,7 @@ def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force:
 
 def format_queue(src: Path) -> tuple[str, list[tuple[str, str]]]:
     """The queue in ``src`` as patch files: (upstream version, [(file name, text)])."""
+    src = src.resolve()
     what = in_progress(src)
     if what:
         raise QueueError(f"a {what} is in progress in {src}; finish it (or abort it) first")
@@ -533,6 +535,7 @@ def rebase_queue(wheel: Path, repo: Path) -> None:
     """Commit the new wheel's ``sglang/`` as a child of the current base, tag it, and rebase
     the queue onto it (git stops at each patch that conflicts)."""
     version = wheel_version(wheel)
+    repo = repo.resolve()
     what = in_progress(repo)
     if what:
         raise QueueError(f"a {what} is in progress in {repo}; finish it (or abort it) first")
