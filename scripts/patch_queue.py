@@ -375,10 +375,11 @@ def plan_names(commits: list[tuple[str, str]]) -> list[str]:
             num = prev + 1
             nxt = next((n for n, _ in given[i + 1:] if n is not None), None)
             if nxt is not None and num >= nxt:
+                where = f"between {prev:04d} and {nxt:04d}" if prev else f"before {nxt:04d}"
                 raise QueueError(
-                    f"commit {sha[:12]} ({subject!r}) is a new patch between {prev:04d} and "
-                    f"{nxt:04d}: no number is free there. Give it a `Patch: NNNN-name` trailer "
-                    "and renumber the patches after it to make room (their Patch: trailers)."
+                    f"commit {sha[:12]} ({subject!r}) is a new patch {where}: no number is free "
+                    "there. Give it a `Patch: NNNN-name` trailer and renumber the patches after "
+                    "it to make room (their Patch: trailers)."
                 )
         elif num <= prev:
             raise QueueError(
