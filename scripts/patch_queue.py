@@ -28,9 +28,10 @@ Commands:
                                for byte.
 
 Patch names: a commit's ``Patch: NNNN-name`` trailer names its file (``NNNN-name.patch``);
-import writes it into every commit. A commit without one (a new patch) gets the number after
-the previous patch's and a name made from its subject; ``Patch: NNNN`` picks the number only.
-Numbers must increase along the series. Every commit needs an ``Upstream:`` trailer.
+every exported patch carries one, so every imported commit does. A commit without one (a new
+patch) gets the number after the previous patch's and a name made from its subject, and export
+adds the trailer to its file; ``Patch: NNNN`` picks the number only. Numbers must increase
+along the series. Every commit needs an ``Upstream:`` trailer.
 
 Only the standard library (and the ``git`` and ``patch`` programs) is used, so this runs
 before the virtual environment is complete.
