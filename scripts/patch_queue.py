@@ -92,7 +92,7 @@ def series(patch_dir: Path = PATCH_DIR) -> list[Path]:
         QueueError: a listed patch is missing, or a ``.patch`` file is not listed.
     """
     names = []
-    for line in (patch_dir / "series").read_text().splitlines():
+    for line in (patch_dir / "series").read_text(encoding="utf-8").splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             names.append(line)
@@ -136,7 +136,7 @@ def touched_paths(patches: list[Path]) -> set[str]:
     """The files (``sglang/...``) that the patches change."""
     out = set()
     for p in patches:
-        for m in re.finditer(r"^(?:---|\+\+\+) [ab]/(\S+)", p.read_text(), re.M):
+        for m in re.finditer(r"^(?:---|\+\+\+) [ab]/(\S+)", p.read_text(encoding="utf-8"), re.M):
             out.add(m.group(1))
     return out
 
@@ -149,7 +149,7 @@ def run_patch(patch: Path, root: Path, dry_run: bool = False) -> subprocess.Comp
     cmd = ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(root), "-i", str(patch)]
     if dry_run:
         cmd.insert(1, "--dry-run")
-    return subprocess.run(cmd, capture_output=True, text=True)
+    return subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
 
 
 def apply_series(root: Path, patch_dir: Path = PATCH_DIR) -> None:
@@ -259,7 +259,7 @@ def git_env() -> dict:
 def git(repo: Path, *args: str, check: bool = True, env: dict | None = None,
         input: str | None = None) -> subprocess.CompletedProcess:
     res = subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, text=True,
+        ["git", "-C", str(repo), *args], capture_output=True, encoding="utf-8",
         env={**git_env(), **(env or {})}, input=input,
     )
     if check and res.returncode != 0:
@@ -483,6 +483,13 @@ def format_queue(src: Path) -> tuple[str, list[tuple[str, str]]]:
             f"(git commit --fixup=<commit> and git rebase -i --autosquash {TAG_PREFIX}..., or "
             f"a new commit for a new patch):\n{dirty}"
         )
+    untracked = [
+        line[3:] for line in git(src, "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
+        if line.startswith("?? ") and "__pycache__/" not in line and not line.endswith(".pyc")
+    ]
+    if untracked:
+        print(f"warning: untracked files in {src} are not exported (git add and commit the ones "
+              f"a patch needs): {', '.join(untracked)}", file=sys.stderr)
     tag = base_tag(src)
     version = tag[len(TAG_PREFIX):]
     if git(src, "rev-list", "--merges", f"{tag}..HEAD").stdout.strip():
@@ -516,14 +523,14 @@ def write_series(patch_dir: Path, version: str, files: list[tuple[str, str]]) ->
             report.append(f"removed   {old.name}")
     for name, text in files:
         p = patch_dir / name
-        old = p.read_text() if p.is_file() else None
+        old = p.read_text(encoding="utf-8") if p.is_file() else None
         if old != text:
-            p.write_text(text)
+            p.write_text(text, encoding="utf-8")
             report.append(f"{'updated' if old is not None else 'new':9} {name}")
     text = SERIES_HEADER.format(version=version) + "".join(f"{n}\n" for n, _ in files)
     s = patch_dir / "series"
-    if not s.is_file() or s.read_text() != text:
-        s.write_text(text)
+    if not s.is_file() or s.read_text(encoding="utf-8") != text:
+        s.write_text(text, encoding="utf-8")
         report.append("updated   series")
     return report
 
@@ -599,8 +606,8 @@ def cmd_check(wheel: Path, patch_dir: Path = PATCH_DIR) -> None:
         write_series(out, version, files)
         differ = []
         for p in [patch_dir / "series"] + patches:
-            mine = p.read_text()
-            theirs = (out / p.name).read_text() if (out / p.name).is_file() else ""
+            mine = p.read_text(encoding="utf-8")
+            theirs = (out / p.name).read_text(encoding="utf-8") if (out / p.name).is_file() else ""
             if mine != theirs:
                 diff = difflib.unified_diff(
                     mine.splitlines(True), theirs.splitlines(True),

@@ -133,11 +133,13 @@ def test_edit_in_queue_shows_up_in_exported_patch(world):
     edit(queue / "sglang/srt/server.py", "line 20\n", "line twenty\n")
     res = pq("export", "--dir", str(queue), "--patches", str(patches), check=False)
     assert res.returncode != 0 and "uncommitted changes" in res.stderr
+    (queue / "sglang/srt/new_module.py").write_text("x = 1\n")  # never added: warned about
     commit(queue, "", f"--fixup={first}")
     git(queue, "rebase", "-q", "-i", "--autosquash", "upstream-0.0.1",
         env={"GIT_SEQUENCE_EDITOR": "true"})
     res = pq("export", "--dir", str(queue), "--patches", str(patches))
     assert res.stdout.split() == ["updated", "0001-line-three.patch"]
+    assert "untracked files" in res.stderr and "sglang/srt/new_module.py" in res.stderr
     text = (patches / "0001-line-three.patch").read_text()
     assert "+line three" in text and "+line twenty" in text
     assert "twenty" not in (patches / "0005-helper-returns-two.patch").read_text()
