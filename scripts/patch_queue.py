@@ -81,6 +81,14 @@ class QueueError(Exception):
     """A failure with a message for the developer (printed without a traceback)."""
 
 
+class ImportStopped(QueueError):
+    """``git am`` stopped at patch ``name`` during an import (``output``: what git said)."""
+
+    def __init__(self, message: str, name: str, output: str) -> None:
+        super().__init__(message)
+        self.name, self.output = name, output
+
+
 # --------------------------------------------------------------------------------------------
 # The series
 
@@ -454,7 +462,7 @@ def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force:
         nxt = dest / ".git" / "rebase-apply" / "next"
         i = int(nxt.read_text()) - 1 if nxt.is_file() else None
         name = patches[i].name if i is not None and i < len(patches) else "a patch"
-        raise QueueError(
+        raise ImportStopped(
             f"import stopped at {name}: it does not apply to sglang {version} with the patches "
             f"before it applied.\n{res.stdout}{res.stderr}\n"
             f"{dest} holds upstream and the patches before it as commits, and git am waits on "
@@ -463,7 +471,8 @@ def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force:
             "  git apply --reject .git/rebase-apply/patch   # applies what fits, writes *.rej\n"
             "  # edit the files to do what the .rej hunks did, delete the .rej files, git add them\n"
             "  git am --continue        # or: git am --skip, to drop the patch\n"
-            "then `make patches-export` writes the series back into patches/."
+            "then `make patches-export` writes the series back into patches/.",
+            name, res.stdout + res.stderr,
         )
     if not quiet:
         print(f"imported {len(patches)} patches onto {TAG_PREFIX}{version} in {dest} "
@@ -601,6 +610,12 @@ def cmd_check(wheel: Path, patch_dir: Path = PATCH_DIR) -> None:
         try:
             import_queue(wheel, queue, patch_dir, quiet=True, only=only)
             version, files = format_queue(queue)
+        except ImportStopped as e:
+            raise QueueError(
+                f"FAIL round trip: git am stopped at {e.name} (patch -p1 applied it, git am "
+                f"needs exact context):\n{e.output}\nRefresh it: `make patches-import` stops "
+                "there and says how to go on; then `make patches-export`."
+            ) from None
         except QueueError as e:
             raise QueueError(f"FAIL round trip: {e}") from None
         write_series(out, version, files)

@@ -271,3 +271,15 @@ def test_new_commit_between_taken_numbers_needs_a_trailer(world):
     res = pq("export", "--dir", str(queue), "--patches", str(patches), check=False)
     assert res.returncode != 0
     assert "is a new patch before 0001: no number is free" in res.stderr
+
+
+def test_patch_needing_fuzz_fails_check_round_trip(world):
+    tmp, _, patches = world
+    # A context line of patch 0001 changed upstream: patch(1) applies it with fuzz, git am not.
+    other = make_wheel(tmp / "sglang-0.0.2-py3-none-any.whl", {
+        **UPSTREAM, "sglang/srt/server.py": UPSTREAM["sglang/srt/server.py"].replace(
+            "line 6\n", "line six\n")})
+    res = pq("check", "--wheel", str(other), "--patches", str(patches), check=False)
+    assert res.returncode != 0
+    assert "ok   0001-line-three.patch (applies with offset/fuzz" in res.stdout
+    assert "FAIL round trip: git am stopped at 0001-line-three.patch" in res.stderr
