@@ -5,8 +5,11 @@ ARCH    ?= qwen3_next
 PORT    ?= 30000
 TRACES  ?= ../shared/traces
 SGLANG_WHEEL = $(firstword $(wildcard .cache/wheels/sglang-0.5.23-*.whl))
+# The git repository of pristine upstream + one commit per patch (docs/patches.md).
+QUEUE   ?= .patch-queue
+NO_WHEEL = $(error no .cache/wheels/sglang-0.5.23-*.whl: run make setup first)
 
-.PHONY: setup serve model test test-fast check-patches bench-replay clean
+.PHONY: setup serve model test test-fast check-patches patches-import patches-export patches-rebase bench-replay clean
 
 setup:
 	bash scripts/setup.sh
@@ -21,6 +24,17 @@ serve: setup model
 
 check-patches: setup
 	$(PY) scripts/patch_queue.py check --wheel $(SGLANG_WHEEL)
+
+# Edit the series as git commits: import, commit in $(QUEUE), export (FORCE=1 replaces a queue).
+patches-import:
+	python3 scripts/patch_queue.py import --wheel $(or $(SGLANG_WHEEL),$(NO_WHEEL)) --dir $(QUEUE) $(if $(FORCE),--force)
+
+patches-export:
+	python3 scripts/patch_queue.py export --dir $(QUEUE)
+
+# Upstream bump: make patches-rebase WHEEL=path/to/sglang-NEW-*.whl
+patches-rebase:
+	python3 scripts/patch_queue.py rebase --wheel $(or $(WHEEL),$(error WHEEL=path/to/the/new/sglang wheel)) --dir $(QUEUE)
 
 test: setup check-patches
 	$(PY) -m pytest test -q -ra

@@ -162,6 +162,19 @@ class AnchorPlanner:
             req._anchor_admission = self.stats.on_admission(req, prefix_len)
 
 
-def anchor_planner_of(tree_cache) -> Optional[AnchorPlanner]:
-    """The planner ``PrefillAdder`` consults, or None when anchors are off for this cache."""
+def anchor_planner_of(tree_cache, *, dllm_config, rem_chunk_tokens) -> Optional[AnchorPlanner]:
+    """The planner a ``PrefillAdder`` consults (patch 0041), or None when it may not cut chunks.
+
+    None when anchors are off for this cache (it is no ``AnchorRadixCache``), for a diffusion LM
+    (``dllm_config`` set: its blocks fix the chunking) and with chunked prefill off
+    (``rem_chunk_tokens`` None). The adder fixes both at construction, so asking once there
+    covers its admissions and its continuing chunk alike.
+
+    Args:
+        tree_cache: the adder's tree cache.
+        dllm_config: the adder's ``dllm_config``.
+        rem_chunk_tokens: the adder's chunk budget (None: chunked prefill off).
+    """
+    if dllm_config is not None or rem_chunk_tokens is None:
+        return None
     return getattr(tree_cache, "anchor_planner", None)
