@@ -159,7 +159,7 @@ setup(
     name="sgl-kernel-fork",
     version="0.1.0",
     description="The fork's operators (torch.ops.sgl_kernel namespace): expert-slot cache, CPU "
-    "expert executor, and the CPU ops upstream sglang needs on CPU-only machines",
+    "executor, and the CPU ops upstream sglang needs on CPU-only machines",
     package_dir=package_dir,
     packages=list(package_dir),
     ext_modules=ext_modules,

@@ -1,4 +1,4 @@
-"""CPU expert executor benchmark: decode bandwidth and prefill throughput.
+"""CPU executor benchmark: decode bandwidth and prefill throughput.
 
 Qwen3-30B-A3B expert shapes (hidden 2048, expert intermediate 768, bf16: 9.4 MB
 per expert). A bank of --experts experts (default 256, 2.4 GB, far beyond the

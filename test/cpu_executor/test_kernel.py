@@ -1,4 +1,4 @@
-"""CPU expert executor (``sgl_kernel_fork.cpu_executor``) vs a float64 torch reference.
+"""CPU executor (``sgl_kernel_fork.cpu_executor``) vs a float64 torch reference.
 
 The reference is written here from the formula (not from the op): per (t, k),
 ``g, u = w13[:I] @ x, w13[I:] @ x`` in float64 on the bf16 inputs,

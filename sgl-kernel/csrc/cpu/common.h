@@ -15,7 +15,7 @@ namespace sglk {
 
 // Kernel table of the ISA selected at load time (see dispatch.cpp).
 const IsaKernels& kernels();
-// Kernel table of the CPU expert executor for the same level.
+// Kernel table of the CPU executor for the same level.
 const CpuExecutorKernels& cpu_executor_kernels();
 // Name of the selected ISA level: "avx512bf16", "avx512", "avx2" or "scalar".
 std::string current_isa();

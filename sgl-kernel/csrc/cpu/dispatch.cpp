@@ -4,7 +4,7 @@
 // and the best level the running CPU supports is picked on first use, so the extension
 // runs on any x86-64 (and any other architecture through the scalar build).
 // Levels, best first:
-//   avx512bf16  AVX-512 F/BW/VL/DQ + AVX512_BF16: the expert executor's bf16
+//   avx512bf16  AVX-512 F/BW/VL/DQ + AVX512_BF16: the CPU executor's bf16
 //               dots use vdpbf16ps; every other kernel is the avx512 one
 //   avx512      AVX-512 F/BW/VL/DQ
 //   avx2        AVX2 + FMA
@@ -60,7 +60,7 @@ bool cpu_has_avx512bf16() {
 #endif
 }
 
-// One selectable level: the general kernel table and the expert executor's.
+// One selectable level: the general kernel table and the CPU executor's.
 struct Level {
   const char* name;
   const IsaKernels* isa;

@@ -101,7 +101,7 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   // sampling
   m.def("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor");
 
-  // CPU expert executor (python/sgl_kernel_fork/cpu_executor.py)
+  // CPU executor (python/sgl_kernel_fork/cpu_executor.py)
   m.def(
       "moe_experts_cpu(Tensor hidden, Tensor topk_weights, Tensor[] expert_rows, Tensor[] w13, Tensor[] w2, "
       "Tensor(a!) out, bool accumulate) -> ()");

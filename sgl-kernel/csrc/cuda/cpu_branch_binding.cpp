@@ -3,7 +3,7 @@
 //
 //   1. copy hidden [T, H] bf16, topk_weights [T, K] f32 and cpu_rows [T, K] i32 from the device
 //      into the plan's page-locked staging rows 0..T-1;
-//   2. a host function (cudaLaunchHostFunc) runs the CPU expert executor on those rows
+//   2. a host function (cudaLaunchHostFunc) runs the CPU executor on those rows
 //      (sgl_kernel::moe_experts_cpu_run_plan, csrc/cpu/cpu_executor_plan.cpp), writing the
 //      staging output;
 //   3. copy the staging output [T, H] f32 into `out` on the device.

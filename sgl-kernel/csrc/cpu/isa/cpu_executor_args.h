@@ -1,4 +1,4 @@
-// Plain-data interface of the CPU expert executor's SIMD kernels (see
+// Plain-data interface of the CPU executor's SIMD kernels (see
 // cpu_executor.cpp for the operator and cpu_executor_pool.cpp for the threads).
 // Same rules as kernel_args.h: POD and `static` helpers only, no torch/STL.
 //

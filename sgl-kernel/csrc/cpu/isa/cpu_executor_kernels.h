@@ -94,10 +94,8 @@ static constexpr int DOT_CMAX = 4;
 // Decode rows per tile for C tokens on an expert. One row at a time makes each thread read
 // its rows as one sequential stream (the next row's line prefetched 4 KB ahead), the pattern
 // the read-bandwidth figure is measured with; a tile of R rows reads R streams 4 KB apart.
-// One vdpbf16ps consumes a whole cache line, so a single row keeps up. Measured here (Zen 4,
-// one thread, 256 cold Qwen3-30B-A3B experts), tiles of 8/6/4 rows -> one row: 21 -> 26 GB/s
-// at one token, 19 -> 22 at two, 19 -> 20 at four; at three, 4-row tiles stay ahead (22
-// against 19).
+// One vdpbf16ps consumes a whole cache line, so a single row keeps up; at three tokens 4-row
+// tiles read faster (the measured tile heights: benchmark/RESULTS.md, cpu_executor).
 template <int C>
 struct DotRows {
   static constexpr int R = C == 3 ? 4 : 1;

@@ -6,8 +6,8 @@
   from the host pool at decode batch 1.
 
 They set the fill share of the misses, q* = round(m * B_P / B_H) (FreeToken §3.2, Eq. 4).
-Both are measured on the deployed expert shapes with the deployed thread count in a few
-hundred milliseconds, logged, and cached in ``$XDG_CACHE_HOME/sglang/expert_cache_bandwidth.json``
+Both are measured on the deployed expert shapes with the deployed thread count
+(:mod:`bandwidth_probe`), logged, and cached in ``$XDG_CACHE_HOME/sglang/expert_cache_bandwidth.json``
 (``~/.cache`` by default; ``SGLANG_EXPERT_CACHE_PROFILE_PATH`` names another file), keyed by
 host, CPU model, device, expert format and shape, and thread count.
 ``--expert-cache-fill-gbps`` / ``--expert-cache-cpu-gbps`` override either figure.

@@ -51,7 +51,7 @@ def probe_bandwidths(
 
     Every timed call reads experts not read by the previous calls (a deterministic walk over
     the whole pool, layers interleaved), so the figures are memory, not last-level-cache,
-    bandwidths on any pool larger than the LLC. Takes a few hundred milliseconds.
+    bandwidths on any pool larger than the LLC.
     """
     ops = torch.ops.sgl_kernel
     layers = sorted(layer_ids) or [0]
