@@ -17,16 +17,19 @@ Modules, by job (see README.md beside them):
   compatibility guard.
 """
 
-from sglang.srt.layers.moe.expert_cache.method import (
-    ExpertCacheMoEMethod,
-    get_expert_slot_cache,
-    make_for_layer,
-    reset_expert_slot_cache,
-)
-
 __all__ = [
     "ExpertCacheMoEMethod",
     "get_expert_slot_cache",
     "make_for_layer",
     "reset_expert_slot_cache",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy: ``method`` imports upstream's MoE layers, while ``control`` and ``reference`` need
+    # only torch and sgl_kernel_fork (the GPU checks run them without upstream installed).
+    if name in __all__:
+        from sglang.srt.layers.moe.expert_cache import method
+
+        return getattr(method, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
