@@ -9,7 +9,7 @@ SGLANG_WHEEL = $(firstword $(wildcard .cache/wheels/sglang-0.5.23-*.whl))
 QUEUE   ?= .patch-queue
 NO_WHEEL = $(error no .cache/wheels/sglang-0.5.23-*.whl: run make setup first)
 
-.PHONY: setup serve model test test-fast check-patches patches-import patches-export patches-rebase bench-replay clean
+.PHONY: setup serve model test lint format check-patches patches-import patches-export patches-rebase bench-replay clean
 
 setup:
 	bash scripts/setup.sh
@@ -36,7 +36,20 @@ patches-export:
 patches-rebase:
 	python3 scripts/patch_queue.py rebase --wheel $(or $(WHEEL),$(error WHEEL=path/to/the/new/sglang wheel)) --dir $(QUEUE)
 
-test: setup check-patches
+# Our C++ and CUDA sources (git-tracked, so a build tree is never linted).
+CXX_SOURCES = $(shell git ls-files 'sgl-kernel/*.cpp' 'sgl-kernel/*.h' 'sgl-kernel/*.cu')
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	.venv/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+	.venv/bin/clang-format -i $(CXX_SOURCES)
+
+test: setup lint check-patches
 	$(PY) -m pytest test -q -ra
 
 bench-replay: setup model

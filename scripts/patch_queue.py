@@ -36,6 +36,7 @@ along the series. Every commit needs an ``Upstream:`` trailer.
 Only the standard library (and the ``git`` and ``patch`` programs) is used, so this runs
 before the virtual environment is complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,20 @@ BASE_DATE = "2000-01-01T00:00:00+0000"
 # format-patch options that fix its output whatever git's configuration: re-exporting an
 # unchanged queue is byte-identical.
 FORMAT_PATCH = [
-    "format-patch", "--stdout", "--zero-commit", "--no-signature", "--no-numbered",
-    "--no-encode-email-headers", "--no-renames", "--diff-algorithm=myers", "--unified=3",
-    "--abbrev=12", "--src-prefix=a/", "--dst-prefix=b/", "--stat=72", "--no-binary",
+    "format-patch",
+    "--stdout",
+    "--zero-commit",
+    "--no-signature",
+    "--no-numbered",
+    "--no-encode-email-headers",
+    "--no-renames",
+    "--diff-algorithm=myers",
+    "--unified=3",
+    "--abbrev=12",
+    "--src-prefix=a/",
+    "--dst-prefix=b/",
+    "--stat=72",
+    "--no-binary",
 ]
 NAME_RE = re.compile(r"^(\d{4})(?:-([a-z0-9][a-z0-9._-]*))?$")
 SERIES_HEADER = (
@@ -135,8 +147,9 @@ def unpack_wheel(wheel: Path, dest: Path, only: set[str] | None = None) -> None:
     if not wheel.is_file():
         raise QueueError(f"no wheel at {wheel} (make setup downloads it into .cache/wheels/)")
     with zipfile.ZipFile(wheel) as zf:
-        members = [m for m in zf.namelist() if m.startswith("sglang/")
-                   and (only is None or m in only)]
+        members = [
+            m for m in zf.namelist() if m.startswith("sglang/") and (only is None or m in only)
+        ]
         zf.extractall(dest, members)
 
 
@@ -154,7 +167,17 @@ def touched_paths(patches: list[Path]) -> set[str]:
 
 
 def run_patch(patch: Path, root: Path, dry_run: bool = False) -> subprocess.CompletedProcess:
-    cmd = ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(root), "-i", str(patch)]
+    cmd = [
+        "patch",
+        "-p1",
+        "--forward",
+        "--batch",
+        "--no-backup-if-mismatch",
+        "-d",
+        str(root),
+        "-i",
+        str(patch),
+    ]
     if dry_run:
         cmd.insert(1, "--dry-run")
     return subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
@@ -235,7 +258,9 @@ def status(site: Path) -> str:
 def cmd_apply(site: Path) -> None:
     st = status(site)
     if st == "stale":
-        raise QueueError("installed sglang carries an older patch series; reinstall pristine upstream first")
+        raise QueueError(
+            "installed sglang carries an older patch series; reinstall pristine upstream first"
+        )
     if st == "pristine":
         # Stamp first: a patch that fails part-way leaves a tree that reads as stale, not
         # pristine, so the next setup reinstalls upstream instead of patching twice.
@@ -256,19 +281,27 @@ def git_env() -> dict:
     fixed committer."""
     env = dict(os.environ)
     env.update(
-        GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_TERMINAL_PROMPT="0",
-        GIT_COMMITTER_NAME=BOT[0], GIT_COMMITTER_EMAIL=BOT[1], LC_ALL="C",
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_TERMINAL_PROMPT="0",
+        GIT_COMMITTER_NAME=BOT[0],
+        GIT_COMMITTER_EMAIL=BOT[1],
+        LC_ALL="C",
     )
     for k in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         env.pop(k, None)
     return env
 
 
-def git(repo: Path, *args: str, check: bool = True, env: dict | None = None,
-        input: str | None = None) -> subprocess.CompletedProcess:
+def git(
+    repo: Path, *args: str, check: bool = True, env: dict | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
     res = subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, encoding="utf-8",
-        env={**git_env(), **(env or {})}, input=input,
+        ["git", "-C", str(repo), *args],
+        capture_output=True,
+        encoding="utf-8",
+        env={**git_env(), **(env or {})},
+        input=input,
     )
     if check and res.returncode != 0:
         raise QueueError(f"git {' '.join(args)} failed in {repo}:\n{res.stdout}{res.stderr}")
@@ -283,8 +316,10 @@ def commit_tree(repo: Path, tree_root: Path, message: str, parent: str | None) -
         git(repo, "--work-tree", str(tree_root.resolve()), "add", "-A", "-f", ".", env=env)
         tree = git(repo, "write-tree", env=env).stdout.strip()
     base_env = {
-        "GIT_AUTHOR_NAME": BOT[0], "GIT_AUTHOR_EMAIL": BOT[1],
-        "GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE,
+        "GIT_AUTHOR_NAME": BOT[0],
+        "GIT_AUTHOR_EMAIL": BOT[1],
+        "GIT_AUTHOR_DATE": BASE_DATE,
+        "GIT_COMMITTER_DATE": BASE_DATE,
     }
     args = ["commit-tree", tree, "-m", message] + (["-p", parent] if parent else [])
     return git(repo, *args, env=base_env).stdout.strip()
@@ -292,7 +327,9 @@ def commit_tree(repo: Path, tree_root: Path, message: str, parent: str | None) -
 
 def base_tag(repo: Path) -> str:
     """The nearest ``upstream-*`` tag below HEAD: the pristine tree the queue sits on."""
-    res = git(repo, "describe", "--tags", "--abbrev=0", f"--match={TAG_PREFIX}*", "HEAD", check=False)
+    res = git(
+        repo, "describe", "--tags", "--abbrev=0", f"--match={TAG_PREFIX}*", "HEAD", check=False
+    )
     if res.returncode != 0:
         raise QueueError(
             f"{repo} has no {TAG_PREFIX}* tag below HEAD: not a queue made by "
@@ -303,8 +340,12 @@ def base_tag(repo: Path) -> str:
 
 def in_progress(repo: Path) -> str | None:
     gitdir = Path(git(repo, "rev-parse", "--absolute-git-dir").stdout.strip())
-    for name, what in (("rebase-apply", "git am or rebase"), ("rebase-merge", "git rebase"),
-                       ("MERGE_HEAD", "merge"), ("CHERRY_PICK_HEAD", "cherry-pick")):
+    for name, what in (
+        ("rebase-apply", "git am or rebase"),
+        ("rebase-merge", "git rebase"),
+        ("MERGE_HEAD", "merge"),
+        ("CHERRY_PICK_HEAD", "cherry-pick"),
+    ):
         if (gitdir / name).exists():
             return what
     return None
@@ -382,7 +423,7 @@ def plan_names(commits: list[tuple[str, str]]) -> list[str]:
         subject = msg.split("\n", 1)[0].strip()
         if num is None:
             num = prev + 1
-            nxt = next((n for n, _ in given[i + 1:] if n is not None), None)
+            nxt = next((n for n, _ in given[i + 1 :] if n is not None), None)
             if nxt is not None and num >= nxt:
                 where = f"between {prev:04d} and {nxt:04d}" if prev else f"before {nxt:04d}"
                 raise QueueError(
@@ -407,7 +448,7 @@ def add_patch_trailer(text: str, name: str) -> str:
     lines = text.split("\n")
     head_end = lines.index("")  # end of the mail header
     sep = lines.index("---", head_end)
-    body = lines[head_end + 1:sep]
+    body = lines[head_end + 1 : sep]
     while body and body[-1] == "":
         body.pop()
     had_trailers = bool(parse_trailers("subject\n\n" + "\n".join(body)))
@@ -425,15 +466,25 @@ def prepare_dir(dest: Path, force: bool) -> None:
         if not force or not made_by_us:
             raise QueueError(
                 f"{dest} exists and is not empty; remove it or pick another --dir"
-                + (" (or pass --force to replace this queue, losing its unexported commits)"
-                   if made_by_us else "")
+                + (
+                    " (or pass --force to replace this queue, losing its unexported commits)"
+                    if made_by_us
+                    else ""
+                )
             )
         shutil.rmtree(dest)
     dest.mkdir(parents=True, exist_ok=True)
 
 
-def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force: bool = False,
-                 quiet: bool = False, only: set[str] | None = None) -> None:
+def import_queue(
+    wheel: Path,
+    dest: Path,
+    patch_dir: Path = PATCH_DIR,
+    *,
+    force: bool = False,
+    quiet: bool = False,
+    only: set[str] | None = None,
+) -> None:
     """Pristine ``sglang/`` of ``wheel`` as the base commit of a new repository at ``dest``,
     tagged ``upstream-<version>``, and one commit per patch of the series (``git am``).
     ``only``: unpack just these files (``check`` needs only what the series touches).
@@ -447,7 +498,9 @@ def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force:
     dest = dest.resolve()
     prepare_dir(dest, force)
     git(dest, "init", "-q")
-    (dest / ".git" / MARKER).write_text(json.dumps({"wheel": wheel.name, "version": version}) + "\n")
+    (dest / ".git" / MARKER).write_text(
+        json.dumps({"wheel": wheel.name, "version": version}) + "\n"
+    )
     git(dest, "symbolic-ref", "HEAD", f"refs/heads/{BRANCH}")
     unpack_wheel(wheel, dest, only)
     base = commit_tree(dest, dest, f"sglang {version} (pristine, from {wheel.name})", None)
@@ -456,8 +509,14 @@ def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force:
     git(dest, "reset", "-q", base)  # the index, from the commit; the files are already there
     if not patches:
         return
-    res = git(dest, "am", "--committer-date-is-author-date", "--quiet",
-              *[str(p.resolve()) for p in patches], check=False)
+    res = git(
+        dest,
+        "am",
+        "--committer-date-is-author-date",
+        "--quiet",
+        *[str(p.resolve()) for p in patches],
+        check=False,
+    )
     if res.returncode != 0:
         nxt = dest / ".git" / "rebase-apply" / "next"
         i = int(nxt.read_text()) - 1 if nxt.is_file() else None
@@ -472,11 +531,14 @@ def import_queue(wheel: Path, dest: Path, patch_dir: Path = PATCH_DIR, *, force:
             "  # edit the files to do what the .rej hunks did, delete the .rej files, git add them\n"
             "  git am --continue        # or: git am --skip, to drop the patch\n"
             "then `make patches-export` writes the series back into patches/.",
-            name, res.stdout + res.stderr,
+            name,
+            res.stdout + res.stderr,
         )
     if not quiet:
-        print(f"imported {len(patches)} patches onto {TAG_PREFIX}{version} in {dest} "
-              f"(branch {BRANCH}); edit and commit there, then `make patches-export`")
+        print(
+            f"imported {len(patches)} patches onto {TAG_PREFIX}{version} in {dest} "
+            f"(branch {BRANCH}); edit and commit there, then `make patches-export`"
+        )
 
 
 def format_queue(src: Path) -> tuple[str, list[tuple[str, str]]]:
@@ -493,16 +555,22 @@ def format_queue(src: Path) -> tuple[str, list[tuple[str, str]]]:
             f"a new commit for a new patch):\n{dirty}"
         )
     untracked = [
-        line[3:] for line in git(src, "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
+        line[3:]
+        for line in git(src, "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
         if line.startswith("?? ") and "__pycache__/" not in line and not line.endswith(".pyc")
     ]
     if untracked:
-        print(f"warning: untracked files in {src} are not exported (git add and commit the ones "
-              f"a patch needs): {', '.join(untracked)}", file=sys.stderr)
+        print(
+            f"warning: untracked files in {src} are not exported (git add and commit the ones "
+            f"a patch needs): {', '.join(untracked)}",
+            file=sys.stderr,
+        )
     tag = base_tag(src)
-    version = tag[len(TAG_PREFIX):]
+    version = tag[len(TAG_PREFIX) :]
     if git(src, "rev-list", "--merges", f"{tag}..HEAD").stdout.strip():
-        raise QueueError(f"{src}: the queue above {tag} has merge commits; keep it linear (git rebase)")
+        raise QueueError(
+            f"{src}: the queue above {tag} has merge commits; keep it linear (git rebase)"
+        )
     shas = git(src, "rev-list", "--reverse", f"{tag}..HEAD").stdout.split()
     commits = [(s, git(src, "log", "-1", "--format=%B", s).stdout) for s in shas]
     names = plan_names(commits)
@@ -625,8 +693,11 @@ def cmd_check(wheel: Path, patch_dir: Path = PATCH_DIR) -> None:
             theirs = (out / p.name).read_text(encoding="utf-8") if (out / p.name).is_file() else ""
             if mine != theirs:
                 diff = difflib.unified_diff(
-                    mine.splitlines(True), theirs.splitlines(True),
-                    f"patches/{p.name}", f"exported/{p.name}", n=1,
+                    mine.splitlines(True),
+                    theirs.splitlines(True),
+                    f"patches/{p.name}",
+                    f"exported/{p.name}",
+                    n=1,
                 )
                 differ.append((p.name, "".join(list(diff)[:40])))
         extra = sorted({n for n, _ in files} - {p.name for p in patches})
@@ -635,15 +706,18 @@ def cmd_check(wheel: Path, patch_dir: Path = PATCH_DIR) -> None:
                 "FAIL round trip: patches/ is not what `patch_queue.py export` writes after "
                 f"`import` ({', '.join([n for n, _ in differ] + extra)}): a patch was edited by "
                 "hand. Run `make patches-import`, make the change there as a commit, then "
-                "`make patches-export`, and commit patches/.\n"
-                + "\n".join(d for _, d in differ)
+                "`make patches-export`, and commit patches/.\n" + "\n".join(d for _, d in differ)
             )
-    print(f"check-patches: {len(patches)} patches apply cleanly to {wheel.name} and round-trip "
-          "through import/export")
+    print(
+        f"check-patches: {len(patches)} patches apply cleanly to {wheel.name} and round-trip "
+        "through import/export"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("apply", "status"):
         sp = sub.add_parser(name)

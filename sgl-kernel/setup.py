@@ -29,9 +29,8 @@ import glob
 import os
 import re
 
-from setuptools import setup
-
 import torch
+from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

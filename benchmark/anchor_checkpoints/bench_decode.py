@@ -13,6 +13,7 @@ Prints, last:
 
     anchor_decode turns=T steps=N anchors=A saves=S us_per_step=.. us_per_step_naive=.. naive_ratio=..
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,15 +63,17 @@ def generated_turns(traces: Path) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--traces", type=Path, default=REPO.parent / "shared" / "traces")
     ap.add_argument("--min-gap", type=int, default=64, help="--anchor-checkpoint-min-gap")
     ap.add_argument("--reps", type=int, default=5, help="passes over all turns (best taken)")
     args = ap.parse_args()
 
+    from server import ensure_model
     from transformers import AutoTokenizer
 
-    from server import ensure_model
     from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
     from sglang.srt.mem_cache.anchor_checkpoints.planner import AnchorPlanner
 
@@ -86,8 +89,11 @@ def main() -> None:
         steps = saves = 0
         for gen in turns:
             last = len(prompt)
-            req = types.SimpleNamespace(origin_input_ids=prompt, output_ids=[gen[0]],
-                                        kv=types.SimpleNamespace(cache_protected_len=last))
+            req = types.SimpleNamespace(
+                origin_input_ids=prompt,
+                output_ids=[gen[0]],
+                kv=types.SimpleNamespace(cache_protected_len=last),
+            )
             for k in range(2, len(gen) + 1):  # step k feeds output k-1 and appends output k
                 req.output_ids.append(gen[k - 1])
                 fed = len(prompt) + k - 1
@@ -103,7 +109,7 @@ def main() -> None:
             ids = prompt + gen
             for fed in range(len(prompt) + 1, len(ids)):
                 lo = max(0, fed - scanner.lookback)
-                pos = scanner.scan(ids[lo:fed + 1], fed - lo, fed - lo + 1)
+                pos = scanner.scan(ids[lo : fed + 1], fed - lo, fed - lo + 1)
                 found += bool(len(pos)) and int(pos[0]) == fed - lo
         return found
 
@@ -116,8 +122,10 @@ def main() -> None:
         anchors = naive_pass()
         best_n = min(best_n, time.perf_counter() - t0)
     us, us_naive = best_p / steps * 1e6, best_n / steps * 1e6
-    print(f"anchor_decode turns={len(turns)} steps={steps} anchors={anchors} saves={saves} "
-          f"us_per_step={us:.2f} us_per_step_naive={us_naive:.2f} naive_ratio={us_naive / us:.1f}")
+    print(
+        f"anchor_decode turns={len(turns)} steps={steps} anchors={anchors} saves={saves} "
+        f"us_per_step={us:.2f} us_per_step_naive={us_naive:.2f} naive_ratio={us_naive / us:.1f}"
+    )
 
 
 if __name__ == "__main__":

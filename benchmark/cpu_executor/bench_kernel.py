@@ -159,7 +159,11 @@ class Bench:
         kt.forward(x, tw, rows.long(), kt_out)
         ref = self.torch_step(x, tw, rows)
         kt_out = kt_out.float()
-        return (kt_out - ours).abs().max().item(), (kt_out - ref).abs().max().item(), ref.abs().max().item()
+        return (
+            (kt_out - ours).abs().max().item(),
+            (kt_out - ref).abs().max().item(),
+            ref.abs().max().item(),
+        )
 
     def read(self) -> float:
         return expert_pool_read_bandwidth(self.w13, 1)
@@ -201,7 +205,9 @@ class KtMoE:
             backend = "AMXBF16_MOE" if kt_kernel.__cpu_variant__ == "amx" else "AVX2BF16_MOE"
         cls = getattr(ext.moe, backend, None)
         if cls is None:
-            raise RuntimeError(f"kt_kernel_ext.moe has no {backend} (cpu variant {kt_kernel.__cpu_variant__})")
+            raise RuntimeError(
+                f"kt_kernel_ext.moe has no {backend} (cpu variant {kt_kernel.__cpu_variant__})"
+            )
         E = bench.E
         self.name = f"kt-kernel {getattr(kt_kernel, '__version__', '?')} {backend}"
         self.variant = kt_kernel.__cpu_variant__
@@ -223,11 +229,23 @@ class KtMoE:
         self.moe.load_weights()  # copies the experts into kt's buffers; kt keeps no pointer into the bank
         self.bsz = {}
 
-    def forward(self, x: torch.Tensor, tw: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    def forward(
+        self, x: torch.Tensor, tw: torch.Tensor, rows: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """out (bf16) = the MoE of x (bf16) over rows (int64 expert ids) weighted by tw (fp32)."""
         B = x.shape[0]
-        bsz = self.bsz.setdefault(B, torch.tensor([B], dtype=torch.int32))  # kt reads the token count by pointer
-        self.moe.forward(bsz.data_ptr(), TOPK, rows.data_ptr(), tw.data_ptr(), x.data_ptr(), out.data_ptr(), False)
+        bsz = self.bsz.setdefault(
+            B, torch.tensor([B], dtype=torch.int32)
+        )  # kt reads the token count by pointer
+        self.moe.forward(
+            bsz.data_ptr(),
+            TOPK,
+            rows.data_ptr(),
+            tw.data_ptr(),
+            x.data_ptr(),
+            out.data_ptr(),
+            False,
+        )
 
 
 def load_kt(bench: Bench, args: argparse.Namespace, threads: list[int]) -> tuple[list[KtMoE], str]:
@@ -236,7 +254,9 @@ def load_kt(bench: Bench, args: argparse.Namespace, threads: list[int]) -> tuple
         if not os.path.isdir(args.kt_path):
             return [], f"--kt-path {args.kt_path} is not a directory"
         if args.kt_path not in sys.path:
-            sys.path.append(args.kt_path)  # after our sgl_kernel_fork is imported: ours stays the one used
+            sys.path.append(
+                args.kt_path
+            )  # after our sgl_kernel_fork is imported: ours stays the one used
     try:
         import kt_kernel  # noqa: F401
     except Exception as e:
@@ -245,13 +265,17 @@ def load_kt(bench: Bench, args: argparse.Namespace, threads: list[int]) -> tuple
         kts = [KtMoE(bench, args.kt_backend, t, args.batch_max) for t in threads]
     except Exception as e:
         return [], f"kt-kernel failed to load the experts ({type(e).__name__}: {e})"
-    return kts, (f"{kts[0].name}, cpu variant {kts[0].variant}, pool sizes {threads} (+ the calling "
-                 "thread, which spin-waits)")
+    return kts, (
+        f"{kts[0].name}, cpu variant {kts[0].variant}, pool sizes {threads} (+ the calling "
+        "thread, which spin-waits)"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=0, help="pool and torch threads (0: one per physical core)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="pool and torch threads (0: one per physical core)"
+    )
     ap.add_argument("--experts", type=int, default=256, help="experts in the bank (9.4 MB each)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch-max", type=int, default=4)
@@ -260,13 +284,24 @@ def main() -> None:
     ap.add_argument("--prefill-experts", type=int, default=64)
     ap.add_argument("--prefill-rounds", type=int, default=2)
     default_kt = Path(__file__).resolve().parents[2] / ".cache" / "kt"
-    ap.add_argument("--kt-path", default=str(default_kt) if default_kt.is_dir() else "",
-                    help="directory holding kt-kernel (pip install --no-deps --target DIR kt-kernel), appended "
-                    "to sys.path after our sgl_kernel_fork is imported (default: .cache/kt in the repo, if present)")
-    ap.add_argument("--kt-backend", default="auto", help="kt_kernel_ext.moe class: auto (AMXBF16_MOE with AMX, "
-                    "else AVX2BF16_MOE), AVX2BF16_MOE, AMXBF16_MOE")
-    ap.add_argument("--kt-threads", default="", help="comma-separated kt-kernel pool sizes, its best taken "
-                    "per round (default: 1, N-1 and N for N = --threads)")
+    ap.add_argument(
+        "--kt-path",
+        default=str(default_kt) if default_kt.is_dir() else "",
+        help="directory holding kt-kernel (pip install --no-deps --target DIR kt-kernel), appended "
+        "to sys.path after our sgl_kernel_fork is imported (default: .cache/kt in the repo, if present)",
+    )
+    ap.add_argument(
+        "--kt-backend",
+        default="auto",
+        help="kt_kernel_ext.moe class: auto (AMXBF16_MOE with AMX, "
+        "else AVX2BF16_MOE), AVX2BF16_MOE, AMXBF16_MOE",
+    )
+    ap.add_argument(
+        "--kt-threads",
+        default="",
+        help="comma-separated kt-kernel pool sizes, its best taken "
+        "per round (default: 1, N-1 and N for N = --threads)",
+    )
     args = ap.parse_args()
 
     t_start = time.perf_counter()
@@ -274,19 +309,29 @@ def main() -> None:
     n = expert_pool_set_threads(args.threads)
     torch.set_num_threads(n)
     print(f"# pool: {expert_pool_info()}")
-    print(f"# torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
-          f"cpus online {os.cpu_count()}, load average at start {load0:.1f}")
+    print(
+        f"# torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+        f"cpus online {os.cpu_count()}, load average at start {load0:.1f}"
+    )
     bench = Bench(args)
-    print(f"# bank: {args.experts} experts x {bench.expert_bytes / 1e6:.1f} MB = "
-          f"{args.experts * bench.expert_bytes / 1e9:.2f} GB")
+    print(
+        f"# bank: {args.experts} experts x {bench.expert_bytes / 1e6:.1f} MB = "
+        f"{args.experts * bench.expert_bytes / 1e9:.2f} GB"
+    )
     batches = list(range(1, args.batch_max + 1))
     bench.prefill_setup(args.prefill_tokens, min(args.prefill_experts, args.experts))
     t_kt = time.perf_counter()
-    kt_threads = ([int(t) for t in args.kt_threads.split(",")] if args.kt_threads
-                  else sorted({1, max(1, n - 1), n}))
+    kt_threads = (
+        [int(t) for t in args.kt_threads.split(",")]
+        if args.kt_threads
+        else sorted({1, max(1, n - 1), n})
+    )
     kts, kt_status = load_kt(bench, args, kt_threads)
     kt = kts[0] if kts else None
-    print(f"# kt-kernel: {kt_status}" + (f"; imported and loaded in {time.perf_counter() - t_kt:.1f} s" if kt else ""))
+    print(
+        f"# kt-kernel: {kt_status}"
+        + (f"; imported and loaded in {time.perf_counter() - t_kt:.1f} s" if kt else "")
+    )
 
     # warm-up: pool threads, scratch, page mapping of the banks, oneDNN
     bench.read()
@@ -318,7 +363,9 @@ def main() -> None:
             for k in kts:
                 add(f"kt{k.threads}_b{B}", bench.decode_kt(k, B), settle=KT_SETTLE_S)
             if kts:  # kt's best pool size this round
-                res.setdefault(f"kt_b{B}", []).append(max(res[f"kt{k.threads}_b{B}"][-1] for k in kts))
+                res.setdefault(f"kt_b{B}", []).append(
+                    max(res[f"kt{k.threads}_b{B}"][-1] for k in kts)
+                )
     prefill_out = {}
     for _ in range(args.prefill_rounds):
         v, prefill_out["ours"] = bench.prefill_ours()
@@ -336,7 +383,9 @@ def main() -> None:
 
     read = med["read"]
     print()
-    print(f"decode, {args.rounds} rounds (GB/s = expert bytes read / wall time; ratios: median of same-round ratios)")
+    print(
+        f"decode, {args.rounds} rounds (GB/s = expert bytes read / wall time; ratios: median of same-round ratios)"
+    )
     print()
     print("| measure | batch | GB/s median | GB/s best | vs read | ours vs torch | ours vs kt |")
     print("|---|---|---|---|---|---|---|")
@@ -344,34 +393,50 @@ def main() -> None:
     for B in batches:
         o, t, k = f"ours_b{B}", f"torch_b{B}", f"kt_b{B}"
         vs_kt = f"{ratio(o, k):.2f}" if kt else "n/a"
-        print(f"| moe_experts_cpu | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} | {ratio(o, t):.2f} "
-              f"| {vs_kt} |")
-        print(f"| torch bf16 F.linear | {B} | {med[t]:.1f} | {best[t]:.1f} | {ratio(t, 'read'):.2f} | | |")
+        print(
+            f"| moe_experts_cpu | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} | {ratio(o, t):.2f} "
+            f"| {vs_kt} |"
+        )
+        print(
+            f"| torch bf16 F.linear | {B} | {med[t]:.1f} | {best[t]:.1f} | {ratio(t, 'read'):.2f} | | |"
+        )
         for kk in kts:
             kb = f"kt{kk.threads}_b{B}"
-            print(f"| {kk.name}, {kk.threads} threads | {B} | {med[kb]:.1f} | {best[kb]:.1f} "
-                  f"| {ratio(kb, 'read'):.2f} | | {ratio(o, kb):.2f} |")
+            print(
+                f"| {kk.name}, {kk.threads} threads | {B} | {med[kb]:.1f} | {best[kb]:.1f} "
+                f"| {ratio(kb, 'read'):.2f} | | {ratio(o, kb):.2f} |"
+            )
         if kts:
-            print(f"| kt-kernel, best pool size per round | {B} | {med[k]:.1f} | {best[k]:.1f} "
-                  f"| {ratio(k, 'read'):.2f} | | |")
+            print(
+                f"| kt-kernel, best pool size per round | {B} | {med[k]:.1f} | {best[k]:.1f} "
+                f"| {ratio(k, 'read'):.2f} | | |"
+            )
     po, pt = med["prefill_ours"], med["prefill_torch"]
     print()
-    print(f"| prefill T={args.prefill_tokens} x top-{TOPK} over {bench.prows.unique().numel()} experts "
-          "| GFLOP/s median | GFLOP/s best |")
+    print(
+        f"| prefill T={args.prefill_tokens} x top-{TOPK} over {bench.prows.unique().numel()} experts "
+        "| GFLOP/s median | GFLOP/s best |"
+    )
     print("|---|---|---|")
     print(f"| moe_experts_cpu | {po:.1f} | {best['prefill_ours']:.1f} |")
     print(f"| torch bf16 F.linear grouped per expert | {pt:.1f} | {best['prefill_torch']:.1f} |")
-    print(f"# prefill max |ours - torch| = {diff:.3g} (max |out| {scale:.3g}; torch also rounds gate/up and "
-          "each expert's output to bf16)")
+    print(
+        f"# prefill max |ours - torch| = {diff:.3g} (max |out| {scale:.3g}; torch also rounds gate/up and "
+        "each expert's output to bf16)"
+    )
     if kt:
         d_ours, d_torch, kt_scale = kt_check
-        print(f"# kt decode check (one step, batch {args.batch_max}): max |kt - ours| = {d_ours:.3g}, "
-              f"max |kt - torch| = {d_torch:.3g} (max |out| {kt_scale:.3g}; kt rounds its output to bf16)")
+        print(
+            f"# kt decode check (one step, batch {args.batch_max}): max |kt - ours| = {d_ours:.3g}, "
+            f"max |kt - torch| = {d_torch:.3g} (max |out| {kt_scale:.3g}; kt rounds its output to bf16)"
+        )
     else:
         print(f"# kt-kernel: {kt_status}, so kt_ratio=nan")
     load1 = os.getloadavg()[0]
-    print(f"# load average at end {load1:.1f} on {os.cpu_count()} cpus; wall {time.perf_counter() - t_start:.0f} s. "
-          "On a shared machine every figure moves with the load; torch's OpenMP barriers suffer most from it.")
+    print(
+        f"# load average at end {load1:.1f} on {os.cpu_count()} cpus; wall {time.perf_counter() - t_start:.0f} s. "
+        "On a shared machine every figure moves with the load; torch's OpenMP barriers suffer most from it."
+    )
     fields = [f"threads={n}"]
     fields += [f"bw_gbps_b{B}={med[f'ours_b{B}']:.2f}" for B in batches]
     fields += [

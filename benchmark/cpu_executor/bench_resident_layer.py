@@ -11,6 +11,7 @@ times both paths (median of ``--reps`` calls after one warm-up) and prints one l
 
 where ratio = native time / executor time (above 1: the executor is faster).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ def timed(fn, reps: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
@@ -47,20 +50,28 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Module()
     layer.num_experts = a.experts
-    layer.w13_weight = (torch.randn(a.experts, 2 * a.inter, a.hidden, generator=g) / a.hidden**0.5).bfloat16()
-    layer.w2_weight = (torch.randn(a.experts, a.hidden, a.inter, generator=g) / a.inter**0.5).bfloat16()
+    layer.w13_weight = (
+        torch.randn(a.experts, 2 * a.inter, a.hidden, generator=g) / a.hidden**0.5
+    ).bfloat16()
+    layer.w2_weight = (
+        torch.randn(a.experts, a.hidden, a.inter, generator=g) / a.inter**0.5
+    ).bfloat16()
     cfg = MoeRunnerConfig()
     ratios = {}
     for t in a.tokens:
         x = torch.randn(t, a.hidden, generator=g).bfloat16()
-        w, ids = torch.topk(torch.softmax(torch.randn(t, a.experts, generator=g), -1), a.top_k, dim=-1)
+        w, ids = torch.topk(
+            torch.softmax(torch.randn(t, a.experts, generator=g), -1), a.top_k, dim=-1
+        )
         topk = (w.float(), ids.int(), None)
         assert cpu_executor_forward(layer, x, topk, cfg) is not None, "executor path unavailable"
-        t_exec = timed(lambda: cpu_executor_forward(layer, x, topk, cfg), a.reps)
-        t_native = timed(lambda: moe_forward_native(layer, x, topk, cfg), a.reps)
+        t_exec = timed(lambda x=x, topk=topk: cpu_executor_forward(layer, x, topk, cfg), a.reps)
+        t_native = timed(lambda x=x, topk=topk: moe_forward_native(layer, x, topk, cfg), a.reps)
         ratios[t] = t_native / t_exec
-        print(f"tokens={t} executor_ms={t_exec * 1e3:.2f} native_ms={t_native * 1e3:.2f} ratio={ratios[t]:.1f}",
-              flush=True)
+        print(
+            f"tokens={t} executor_ms={t_exec * 1e3:.2f} native_ms={t_native * 1e3:.2f} ratio={ratios[t]:.1f}",
+            flush=True,
+        )
     print("cpu_moe_layer " + " ".join(f"t{t}_ratio={r:.1f}" for t, r in ratios.items()))
 
 

@@ -18,6 +18,7 @@ summary lines, and last:
 
     wasted_tokens_off=X wasted_tokens_on=Y reuse_ratio_off=A reuse_ratio_on=B ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,40 +47,72 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--traces", required=True, type=Path,
-                   help="a session folder (NN.json [+ meta.jsonl]) or a folder of them")
-    p.add_argument("--url", help="replay against this running server instead of starting one "
-                   "(e.g. http://127.0.0.1:30000); its prefix cache is flushed per session")
-    p.add_argument("--model-arch", default="qwen3_next", choices=["qwen3_next", "qwen3_moe"],
-                   help="embedded tiny model to serve when no --url (default: qwen3_next)")
-    p.add_argument("--model-path", type=Path,
-                   help="serve this model folder instead of the embedded tiny model")
-    p.add_argument("--server-args", default="",
-                   help="extra launch_server arguments, one shell-quoted string")
-    p.add_argument("--max-new-tokens", type=int, default=ar.DEFAULT_MAX_NEW_TOKENS,
-                   help="cap on generated tokens per request (default %(default)s): lowers each "
-                   "length field present in a body (" + ", ".join(ar.LENGTH_FIELDS) + ") and "
-                   "nothing else, since random-weight models rarely stop on their own and "
-                   "captures ask for up to 32000 tokens; 0 = send the bodies unchanged")
-    p.add_argument("--timeout", type=float, default=1800,
-                   help="seconds to wait for each read of a reply, first byte included")
-    p.add_argument("--no-flush", action="store_true",
-                   help="do not empty the prefix cache before each session")
-    p.add_argument("--compare", action="store_true",
-                   help="replay twice, anchor checkpoints off then on (a server each; not with --url)")
+    p.add_argument(
+        "--traces",
+        required=True,
+        type=Path,
+        help="a session folder (NN.json [+ meta.jsonl]) or a folder of them",
+    )
+    p.add_argument(
+        "--url",
+        help="replay against this running server instead of starting one "
+        "(e.g. http://127.0.0.1:30000); its prefix cache is flushed per session",
+    )
+    p.add_argument(
+        "--model-arch",
+        default="qwen3_next",
+        choices=["qwen3_next", "qwen3_moe"],
+        help="embedded tiny model to serve when no --url (default: qwen3_next)",
+    )
+    p.add_argument(
+        "--model-path", type=Path, help="serve this model folder instead of the embedded tiny model"
+    )
+    p.add_argument(
+        "--server-args", default="", help="extra launch_server arguments, one shell-quoted string"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=ar.DEFAULT_MAX_NEW_TOKENS,
+        help="cap on generated tokens per request (default %(default)s): lowers each "
+        "length field present in a body (" + ", ".join(ar.LENGTH_FIELDS) + ") and "
+        "nothing else, since random-weight models rarely stop on their own and "
+        "captures ask for up to 32000 tokens; 0 = send the bodies unchanged",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds to wait for each read of a reply, first byte included",
+    )
+    p.add_argument(
+        "--no-flush", action="store_true", help="do not empty the prefix cache before each session"
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="replay twice, anchor checkpoints off then on (a server each; not with --url)",
+    )
     args = p.parse_args(argv)
     if args.compare and args.url:
         p.error("--compare starts its own servers (anchors off, then on); drop --url")
     return args
 
 
-def replay(url: str, sessions: list, args: argparse.Namespace,
-           out: Callable[[str], None] = print) -> list:
+def replay(
+    url: str, sessions: list, args: argparse.Namespace, out: Callable[[str], None] = print
+) -> list:
     """Replay ``sessions`` against ``url``, printing a line per request and per session."""
     results = []
     for s in sessions:
-        sr = ar.replay_session(url, s, args.max_new_tokens, args.timeout, not args.no_flush,
-                               on_result=lambda r: out(r.line()))
+        sr = ar.replay_session(
+            url,
+            s,
+            args.max_new_tokens,
+            args.timeout,
+            not args.no_flush,
+            on_result=lambda r: out(r.line()),
+        )
         out(sr.summary().line(f"session {s.name} wall={sr.wall_s:.1f}s"))
         results.append(sr)
     return results
@@ -95,8 +128,10 @@ def with_server(args: argparse.Namespace, extra: list[str], fn: Callable[[str], 
     model = args.model_path or server.ensure_model(args.model_arch)
     t0 = time.perf_counter()
     srv = server.start_server(model, shlex.split(args.server_args) + extra)
-    print(f"# server {srv.url} model={model} up in {time.perf_counter() - t0:.0f}s "
-          f"log={srv.log}", flush=True)
+    print(
+        f"# server {srv.url} model={model} up in {time.perf_counter() - t0:.0f}s log={srv.log}",
+        flush=True,
+    )
     try:
         return fn(srv.url)
     finally:
@@ -123,8 +158,9 @@ def compare_table(off: list, on: list) -> list[str]:
     return lines
 
 
-def compare_line(off: "ar.ReplaySummary", on: "ar.ReplaySummary", off_ttft: float,
-                 on_ttft: float) -> str:
+def compare_line(
+    off: "ar.ReplaySummary", on: "ar.ReplaySummary", off_ttft: float, on_ttft: float
+) -> str:
     """The last line of --compare: its figures as name=value."""
     return (
         f"wasted_tokens_off={off.wasted_tokens} wasted_tokens_on={on.wasted_tokens} "
@@ -138,9 +174,11 @@ def main_compare(args: argparse.Namespace, sessions: list) -> int:
     for mode, extra in COMPARE_MODES:
         print(f"# anchors={mode}", flush=True)
         results = with_server(
-            args, extra,
-            lambda url, mode=mode: replay(url, sessions, args,
-                                          lambda s: print(f"[{mode}] {s}", flush=True)),
+            args,
+            extra,
+            lambda url, mode=mode: replay(
+                url, sessions, args, lambda s: print(f"[{mode}] {s}", flush=True)
+            ),
         )
         runs[mode] = [r for sr in results for r in sr.results]
     for line in compare_table(runs["off"], runs["on"]):

@@ -41,8 +41,13 @@ def main() -> None:
         os.environ["SGLANG_EXPERT_CACHE_PROFILE_PATH"] = os.path.join(tmp, "bw.json")
         cfg = ExpertCacheConfig(size=CacheSize.parse("25%"), policy=MissPolicy.parse("qstar"))
         cache = ExpertSlotCache(
-            cfg, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
-            hidden_size=args.hidden, intermediate_size=args.inter, dtype=torch.bfloat16,
+            cfg,
+            num_layers=args.layers,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            hidden_size=args.hidden,
+            intermediate_size=args.inter,
+            dtype=torch.bfloat16,
             device=args.device,
         )
         for layer in range(args.layers):
@@ -56,8 +61,12 @@ def main() -> None:
         threads = torch.ops.sgl_kernel.expert_pool_set_threads(cfg.cpu_threads)
         t0 = time.perf_counter()
         bw = probe_bandwidths(
-            cache.host, device=cache.device, layer_ids=sorted(cache.layer_ids),
-            num_experts=cache.num_experts, top_k=cache.top_k, threads=threads,
+            cache.host,
+            device=cache.device,
+            layer_ids=sorted(cache.layer_ids),
+            num_experts=cache.num_experts,
+            top_k=cache.top_k,
+            threads=threads,
         )
         ms = 1e3 * (time.perf_counter() - t0)
     pool_gb = args.layers * args.experts * cache.host.expert_bytes / 1e9

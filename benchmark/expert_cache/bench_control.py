@@ -35,7 +35,6 @@ import time
 import torch
 
 import sgl_kernel_fork  # noqa: F401
-
 from sglang.srt.layers.moe.expert_cache import control as ec
 
 L, K, RATIO, POLICY = 48, 8, 0.8, int(ec.MissPolicy.QSTAR)
@@ -72,15 +71,34 @@ def setup(E: int, F: int, T: int, device: str):
 
 def args_for(ids, layer, E, tables, out):
     f = out.fills
-    return (ids, layer, E, tables.slot_of_id, tables.id_of_slot, tables.slot_last_use, tables.clock,
-            out.slot_ids, out.cpu_ids, f.fill_src, f.fill_dst, f.counts, tables.stats, RATIO, POLICY)
+    return (
+        ids,
+        layer,
+        E,
+        tables.slot_of_id,
+        tables.id_of_slot,
+        tables.slot_last_use,
+        tables.clock,
+        out.slot_ids,
+        out.cpu_ids,
+        f.fill_src,
+        f.fill_dst,
+        f.counts,
+        tables.stats,
+        RATIO,
+        POLICY,
+    )
 
 
 def time_cpu(E: int, F: int, T: int, steps: int, warm: int):
     S, tables, out = setup(E, F, T, "cpu")
     routes = routing(E, T, steps, seed=E * 131 + T, device="cpu")
     op = torch.ops.sgl_kernel.expert_cache_control
-    calls = [args_for(routes[s][layer], layer, E, tables, out) for s in range(steps) for layer in range(L)]
+    calls = [
+        args_for(routes[s][layer], layer, E, tables, out)
+        for s in range(steps)
+        for layer in range(L)
+    ]
     for a in calls[: warm * L]:  # warm the cache
         op(*a)
     st0 = tables.stats.clone()
@@ -95,8 +113,14 @@ def time_cpu(E: int, F: int, T: int, steps: int, warm: int):
     med = times[len(times) // 2] / 1e3
     p90 = times[int(len(times) * 0.9)] / 1e3
     hits, misses = st[Stat.HITS], st[Stat.MISSES]
-    return dict(S=S, med=med, p90=p90, hit=hits / max(1, hits + misses), fills=st[Stat.FILLS] / len(calls),
-                cpu=st[Stat.CPU_EXPERTS] / len(calls))
+    return dict(
+        S=S,
+        med=med,
+        p90=p90,
+        hit=hits / max(1, hits + misses),
+        fills=st[Stat.FILLS] / len(calls),
+        cpu=st[Stat.CPU_EXPERTS] / len(calls),
+    )
 
 
 def time_floor(E: int, F: int, n: int = 4000):
@@ -162,10 +186,14 @@ def main():
     torch.set_num_threads(1)
     batches, experts, fills = (1, 8, 64), (64, 256), (8, 16)
     floor = statistics.median(time_floor(E, 16) for E in experts for _ in range(3))
-    print(f"# expert_cache_control, L={L}, top-{K}, S=L*E/4, qstar fill_ratio={RATIO}; "
-          f"Python->op floor (same op, T=0) = {floor:.2f} us")
-    print(f"{'dev':4} {'E':>4} {'S':>5} {'F':>3} {'T':>3} {'call_us':>8} {'p90_us':>7} {'op_us':>6} "
-          f"{'hit':>5} {'fills/call':>10} {'cpu/call':>8}")
+    print(
+        f"# expert_cache_control, L={L}, top-{K}, S=L*E/4, qstar fill_ratio={RATIO}; "
+        f"Python->op floor (same op, T=0) = {floor:.2f} us"
+    )
+    print(
+        f"{'dev':4} {'E':>4} {'S':>5} {'F':>3} {'T':>3} {'call_us':>8} {'p90_us':>7} {'op_us':>6} "
+        f"{'hit':>5} {'fills/call':>10} {'cpu/call':>8}"
+    )
     worst_call = {T: 0.0 for T in batches}
     worst_op = {T: 0.0 for T in batches}
     if a.device in ("cpu", "both"):
@@ -176,26 +204,40 @@ def main():
                     op_us = max(0.0, r["med"] - floor)
                     worst_call[T] = max(worst_call[T], r["med"])
                     worst_op[T] = max(worst_op[T], op_us)
-                    print(f"{'cpu':4} {E:4d} {r['S']:5d} {F:3d} {T:3d} {r['med']:8.2f} {r['p90']:7.2f} "
-                          f"{op_us:6.2f} {r['hit']:5.2f} {r['fills']:10.2f} {r['cpu']:8.2f}", flush=True)
+                    print(
+                        f"{'cpu':4} {E:4d} {r['S']:5d} {F:3d} {T:3d} {r['med']:8.2f} {r['p90']:7.2f} "
+                        f"{op_us:6.2f} {r['hit']:5.2f} {r['fills']:10.2f} {r['cpu']:8.2f}",
+                        flush=True,
+                    )
     cuda_line = ""
     if a.device in ("cuda", "both") and torch.cuda.is_available():
-        if torch._C._dispatch_has_kernel_for_dispatch_key("sgl_kernel::expert_cache_control", "CUDA"):
+        if torch._C._dispatch_has_kernel_for_dispatch_key(
+            "sgl_kernel::expert_cache_control", "CUDA"
+        ):
             worst_graph = {T: 0.0 for T in batches}
             for E in experts:
                 for T in batches:
                     r = time_cuda(E, 16, T, a.steps, a.warm)
                     worst_graph[T] = max(worst_graph[T], r["graph"])
-                    print(f"cuda {E:4d} {r['S']:5d} {16:3d} {T:3d} eager {r['eager']:.2f} us/call, "
-                          f"graph {r['graph']:.2f} us/call", flush=True)
+                    print(
+                        f"cuda {E:4d} {r['S']:5d} {16:3d} {T:3d} eager {r['eager']:.2f} us/call, "
+                        f"graph {r['graph']:.2f} us/call",
+                        flush=True,
+                    )
             cuda_line = " " + " ".join(f"cuda_graph_us_b{T}={worst_graph[T]:.2f}" for T in batches)
         else:
-            print("# CUDA available but sgl_kernel_fork has no CUDA kernel for the op: CUDA rows skipped")
+            print(
+                "# CUDA available but sgl_kernel_fork has no CUDA kernel for the op: CUDA rows skipped"
+            )
     if a.device in ("cpu", "both"):
-        print("expert_cache_control "
-              + " ".join(f"control_us_b{T}={worst_call[T]:.2f}" for T in batches) + " "
-              + " ".join(f"op_us_b{T}={worst_op[T]:.2f}" for T in batches)
-              + f" floor_us={floor:.2f}" + cuda_line)
+        print(
+            "expert_cache_control "
+            + " ".join(f"control_us_b{T}={worst_call[T]:.2f}" for T in batches)
+            + " "
+            + " ".join(f"op_us_b{T}={worst_op[T]:.2f}" for T in batches)
+            + f" floor_us={floor:.2f}"
+            + cuda_line
+        )
     else:
         print("expert_cache_control" + cuda_line)
 

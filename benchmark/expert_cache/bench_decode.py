@@ -14,6 +14,7 @@ over the batch; median of ``--repeats`` runs. Printed: a line per variant, then 
 "device" is the host too, so the figure measures the cache's control and copy overhead and
 our CPU expert kernel against upstream's torch MoE, not a PCIe trade-off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,9 @@ VARIANTS = [
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-arch", default="qwen3_next", choices=["qwen3_next", "qwen3_moe"])
     p.add_argument("--model-path", type=Path, help="model folder (default: the tiny model)")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests")
@@ -91,7 +94,9 @@ def decode_tps(url: str, args, seed: int) -> float:
             for _ in range(args.batch)
         ]
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            runs = list(pool.map(lambda ids: _stream_decode(url, ids, args.new_tokens + 1), prompts))
+            runs = list(
+                pool.map(lambda ids: _stream_decode(url, ids, args.new_tokens + 1), prompts)
+            )
         tokens = sum(n for n, _ in runs)
         seconds = max(t for _, t in runs)
         rates.append(tokens / max(seconds, 1e-9))
@@ -112,7 +117,10 @@ def main(argv=None) -> int:
             tps[name] = decode_tps(srv.url, args, seed=7)
         finally:
             srv.stop()
-        print(f"{name:6s} decode {tps[name]:8.1f} tok/s  ({' '.join(extra) or 'stock MoE'})", flush=True)
+        print(
+            f"{name:6s} decode {tps[name]:8.1f} tok/s  ({' '.join(extra) or 'stock MoE'})",
+            flush=True,
+        )
     fields = [f"model={model.name}", f"batch={args.batch}"]
     fields += [f"{k}_tps={v:.1f}" for k, v in tps.items()]
     fields += [f"{k}_ratio={v / tps['stock']:.2f}" for k, v in tps.items() if k != "stock"]

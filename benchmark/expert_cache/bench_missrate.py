@@ -55,6 +55,7 @@ i.e. weighted by ``counts``). The last line is::
 with decode miss rates at 25% and 50% capacity (``lru`` = ``lru_shared``, ``static`` = the
 calibrated ``static``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -159,22 +160,35 @@ def parse_trace_jsonl(path: str | Path) -> Trace:
                 raise _err(path, lineno, f"not JSON ({e.msg})") from None
             if not isinstance(rec, dict):
                 raise _err(path, lineno, "not a JSON object")
-            for key in ("step", "layer", "phase", "tokens", "experts", "counts",
-                        "num_experts", "num_layers"):
+            for key in (
+                "step",
+                "layer",
+                "phase",
+                "tokens",
+                "experts",
+                "counts",
+                "num_experts",
+                "num_layers",
+            ):
                 if key not in rec:
                     raise _err(path, lineno, f"missing key {key!r}")
             for key in ("step", "layer", "tokens", "num_experts", "num_layers"):
                 if not _is_int(rec[key]) or rec[key] < 0:
-                    raise _err(path, lineno, f"{key!r} must be a non-negative int, "
-                               f"got {rec[key]!r}")
+                    raise _err(
+                        path, lineno, f"{key!r} must be a non-negative int, got {rec[key]!r}"
+                    )
             L, E = rec["num_layers"], rec["num_experts"]
             if L < 1 or E < 1:
                 raise _err(path, lineno, "num_layers and num_experts must be >= 1")
             if shape is None:
                 shape = (L, E)
             elif shape != (L, E):
-                raise _err(path, lineno, f"num_layers/num_experts {L}/{E} differ from earlier "
-                           f"lines ({shape[0]}/{shape[1]})")
+                raise _err(
+                    path,
+                    lineno,
+                    f"num_layers/num_experts {L}/{E} differ from earlier "
+                    f"lines ({shape[0]}/{shape[1]})",
+                )
             if rec["layer"] >= L:
                 raise _err(path, lineno, f"layer {rec['layer']} out of range [0, {L})")
             if rec["phase"] not in PHASES:
@@ -194,11 +208,20 @@ def parse_trace_jsonl(path: str | Path) -> Trace:
                 raise _err(path, lineno, "'counts' must be ints >= 1")
             key = (rec["step"], rec["layer"])
             if key in seen:
-                raise _err(path, lineno, f"duplicate (step, layer) = {key}, first on line "
-                           f"{seen[key]}")
+                raise _err(
+                    path, lineno, f"duplicate (step, layer) = {key}, first on line {seen[key]}"
+                )
             seen[key] = lineno
-            calls.append(Call(rec["step"], rec["layer"], rec["phase"] == "prefill",
-                              rec["tokens"], tuple(ex), tuple(ct)))
+            calls.append(
+                Call(
+                    rec["step"],
+                    rec["layer"],
+                    rec["phase"] == "prefill",
+                    rec["tokens"],
+                    tuple(ex),
+                    tuple(ct),
+                )
+            )
     if shape is None:
         raise ValueError(f"{path}: no trace lines")
     return Trace(shape[0], shape[1], calls)
@@ -250,12 +273,12 @@ def generate_synthetic(p: SynthParams) -> Trace:
         topic = np.zeros((L, E))
         if p.topic_experts:
             hot = np.argpartition(rng.random((L, E)), p.topic_experts - 1, axis=1)
-            topic[rows, hot[:, :p.topic_experts]] = math.log(p.topic_boost)
+            topic[rows, hot[:, : p.topic_experts]] = math.log(p.topic_boost)
         prev: Optional[np.ndarray] = None
 
         def route() -> np.ndarray:
             nonlocal prev, base
-            scores = base + topic + rng.gumbel(size=(L, E))
+            scores = base + topic + rng.gumbel(size=(L, E))  # noqa: B023 (called in this iteration)
             if prev is not None and p.persist > 0:
                 r, c = np.nonzero(rng.random((L, k)) < p.persist)
                 scores[r, prev[r, c]] = np.inf
@@ -269,8 +292,16 @@ def generate_synthetic(p: SynthParams) -> Trace:
             counts[rows, route()] += 1
         for l in range(L):
             ex = np.flatnonzero(counts[l])
-            calls.append(Call(step, l, True, p.prefill_tokens, tuple(ex.tolist()),
-                              tuple(counts[l, ex].tolist())))
+            calls.append(
+                Call(
+                    step,
+                    l,
+                    True,
+                    p.prefill_tokens,
+                    tuple(ex.tolist()),
+                    tuple(counts[l, ex].tolist()),
+                )
+            )
         step += 1
         for _ in range(p.decode_tokens):
             chosen = np.sort(route(), axis=1).tolist()
@@ -285,8 +316,11 @@ def capacity_slots(trace: Trace, capacity_pct: float) -> int:
     return int(round(capacity_pct / 100.0 * trace.pool))
 
 
-def simulate_lru(trace: Trace, slots: int, per_layer: bool = False,
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def simulate_lru(
+    trace: Trace,
+    slots: int,
+    per_layer: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """LRU slot cache(s) with the fill policy (module docstring). Returns per-call
     (missed distinct experts, missed token entries)."""
     L = trace.num_layers
@@ -314,7 +348,7 @@ def simulate_lru(trace: Trace, slots: int, per_layer: bool = False,
         room = cap - (off[i + 1] - off[i] - len(fills))  # free + evictable slots
         # the hits of this call now sit at the MRU end; with at most `room` fills the
         # evictions below reach only slots this call did not route to
-        for g in fills[:max(room, 0)]:
+        for g in fills[: max(room, 0)]:
             if len(od) >= cap:
                 od.popitem(last=False)
             od[g] = None
@@ -322,15 +356,19 @@ def simulate_lru(trace: Trace, slots: int, per_layer: bool = False,
     return miss, miss_tok
 
 
-def simulate_placements(trace: Trace, placements: np.ndarray, version: np.ndarray,
-                        ) -> tuple[np.ndarray, np.ndarray]:
+def simulate_placements(
+    trace: Trace,
+    placements: np.ndarray,
+    version: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """Fixed placements: call i is served by ``placements[version[i]]`` (a bool row over the
     L*E global ids). Returns per-call (missed distinct experts, missed token entries)."""
     missed = ~placements[version[trace.entry_call], trace.gids]
     n = trace.num_calls
     miss = np.bincount(trace.entry_call, weights=missed, minlength=n).astype(np.int64)
-    miss_tok = np.bincount(trace.entry_call, weights=missed * trace.counts,
-                           minlength=n).astype(np.int64)
+    miss_tok = np.bincount(trace.entry_call, weights=missed * trace.counts, minlength=n).astype(
+        np.int64
+    )
     return miss, miss_tok
 
 
@@ -362,9 +400,9 @@ def static_blind(trace: Trace, slots: int) -> np.ndarray:
     out = np.zeros(trace.pool, dtype=bool)
     full, rest = divmod(slots, trace.num_experts)
     first = trace.num_layers - full
-    out[first * trace.num_experts:] = True
+    out[first * trace.num_experts :] = True
     if rest:
-        out[(first - 1) * trace.num_experts:(first - 1) * trace.num_experts + rest] = True
+        out[(first - 1) * trace.num_experts : (first - 1) * trace.num_experts + rest] = True
     return out
 
 
@@ -381,8 +419,11 @@ def refresh_prefill_placements(trace: Trace, slots: int) -> tuple[np.ndarray, np
     return placements, version
 
 
-def simulate_all(trace: Trace, capacity_pct: float, calib_end_step: int,
-                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def simulate_all(
+    trace: Trace,
+    capacity_pct: float,
+    calib_end_step: int,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per-call (misses, missed token entries) of every policy at one capacity."""
     S = capacity_slots(trace, capacity_pct)
     one = np.zeros(trace.num_calls, dtype=np.int64)
@@ -390,8 +431,9 @@ def simulate_all(trace: Trace, capacity_pct: float, calib_end_step: int,
     return {
         "lru_shared": simulate_lru(trace, S),
         "lru_per_layer": simulate_lru(trace, S, per_layer=True),
-        "static": simulate_placements(trace, static_calibrated(trace, S, calib_end_step)[None],
-                                      one),
+        "static": simulate_placements(
+            trace, static_calibrated(trace, S, calib_end_step)[None], one
+        ),
         "static_blind": simulate_placements(trace, static_blind(trace, S)[None], one),
         "refresh_prefill": simulate_placements(trace, placements, version),
     }
@@ -404,8 +446,7 @@ class Rates:
     decode_token: float
 
 
-def miss_rates(trace: Trace, miss: np.ndarray, miss_tok: np.ndarray,
-               calib_end_step: int) -> Rates:
+def miss_rates(trace: Trace, miss: np.ndarray, miss_tok: np.ndarray, calib_end_step: int) -> Rates:
     measured = trace.step >= calib_end_step
     dec = measured & ~trace.prefill
     tok = np.bincount(trace.entry_call, weights=trace.counts, minlength=trace.num_calls)
@@ -414,30 +455,45 @@ def miss_rates(trace: Trace, miss: np.ndarray, miss_tok: np.ndarray,
         d = den[mask].sum()
         return float(num[mask].sum() / d) if d else float("nan")
 
-    return Rates(rate(miss, trace.sizes, dec), rate(miss, trace.sizes, measured),
-                 rate(miss_tok, tok, dec))
+    return Rates(
+        rate(miss, trace.sizes, dec), rate(miss, trace.sizes, measured), rate(miss_tok, tok, dec)
+    )
 
 
 # ---------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="routing trace JSONL recorded by the server")
-    src.add_argument("--synthetic", action="store_true",
-                     help="generate a synthetic trace (the default when no --trace)")
-    p.add_argument("--capacities", default=",".join(map(str, DEFAULT_CAPACITIES)),
-                   help="capacities in %% of the L*E expert pool (default %(default)s; 25 and 50 "
-                   "are always added for the last line)")
-    p.add_argument("--calib-frac", type=float, default=0.1,
-                   help="fraction of the trace's steps (from the start) that calibrate the static "
-                   "placement and are excluded from every policy's measured miss rate "
-                   "(default %(default)s)")
+    src.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="generate a synthetic trace (the default when no --trace)",
+    )
+    p.add_argument(
+        "--capacities",
+        default=",".join(map(str, DEFAULT_CAPACITIES)),
+        help="capacities in %% of the L*E expert pool (default %(default)s; 25 and 50 "
+        "are always added for the last line)",
+    )
+    p.add_argument(
+        "--calib-frac",
+        type=float,
+        default=0.1,
+        help="fraction of the trace's steps (from the start) that calibrate the static "
+        "placement and are excluded from every policy's measured miss rate "
+        "(default %(default)s)",
+    )
     d = SynthParams()
     for f in fields(SynthParams):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)),
-                       default=getattr(d, f.name),
-                       help=f"synthetic: {f.name} (default %(default)s)")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(getattr(d, f.name)),
+            default=getattr(d, f.name),
+            help=f"synthetic: {f.name} (default %(default)s)",
+        )
     a = p.parse_args(argv)
     try:
         caps = {float(x) for x in a.capacities.split(",") if x.strip()} | {25.0, 50.0}
@@ -475,27 +531,35 @@ def main(argv: Optional[Sequence[str]] = None, out=print) -> int:
     dec = measured & ~trace.prefill
 
     out(f"# expert_cache_missrate source={source} {desc}")
-    out(f"# trace: L={trace.num_layers} E={trace.num_experts} pool={trace.pool} "
+    out(
+        f"# trace: L={trace.num_layers} E={trace.num_experts} pool={trace.pool} "
         f"steps={len(trace.steps)} (prefill {int(trace.step_is_prefill.sum())}) "
         f"calls={trace.num_calls} mean distinct experts per decode call="
         f"{trace.sizes[~trace.prefill].mean() if (~trace.prefill).any() else float('nan'):.2f}"
         f", per prefill call="
-        f"{trace.sizes[trace.prefill].mean() if trace.prefill.any() else float('nan'):.2f}")
+        f"{trace.sizes[trace.prefill].mean() if trace.prefill.any() else float('nan'):.2f}"
+    )
     dec_steps = np.unique(trace.step[~trace.prefill])
     if len(dec_steps):
         ws = trace.sizes[~trace.prefill].sum() / len(dec_steps)
-        out(f"# one decode step routes {ws:.1f} distinct experts over all layers "
+        out(
+            f"# one decode step routes {ws:.1f} distinct experts over all layers "
             f"({100 * ws / trace.pool:.2f}% of the pool): a shared LRU pool short of that "
             f"sweeps cyclically across layers (the LRU pathology; every access misses once "
-            f"the pool is a layer's share short of it)")
-    out(f"# calibration: first {n_calib} of {len(trace.steps)} steps (--calib-frac "
+            f"the pool is a layer's share short of it)"
+        )
+    out(
+        f"# calibration: first {n_calib} of {len(trace.steps)} steps (--calib-frac "
         f"{a.calib_frac}) give static its token counts and are excluded from every policy's "
-        f"measured rates; measured: {int(measured.sum())} calls ({int(dec.sum())} decode)")
-    out("# policies: lru_shared = one LRU pool of S slots over all layers, every miss filled, "
+        f"measured rates; measured: {int(measured.sum())} calls ({int(dec.sum())} decode)"
+    )
+    out(
+        "# policies: lru_shared = one LRU pool of S slots over all layers, every miss filled, "
         "victims never routed in the current call; lru_per_layer = S/L slots per layer; "
         "static = top-S experts by calibration token counts, global across layers; "
         "static_blind = llama.cpp --n-cpu-moe (last whole layers); refresh_prefill = top-S of "
-        "each prefill's token counts, fixed until the next prefill (cold before the first)")
+        "each prefill's token counts, fixed until the next prefill (cold before the first)"
+    )
 
     results: dict[float, dict[str, Rates]] = {}
     for c in a.capacities:
@@ -503,32 +567,47 @@ def main(argv: Optional[Sequence[str]] = None, out=print) -> int:
         results[c] = {k: miss_rates(trace, *v, end) for k, v in sims.items()}
 
     head = f"{'cap%':>5} {'slots':>6} " + " ".join(f"{k:>15}" for k in POLICIES)
-    tables = [("decode miss rate (misses / routed distinct experts per call)", "decode"),
-              ("overall miss rate (prefill + decode calls)", "overall")]
+    tables = [
+        ("decode miss rate (misses / routed distinct experts per call)", "decode"),
+        ("overall miss rate (prefill + decode calls)", "overall"),
+    ]
     if (trace.counts[dec[trace.entry_call]] > 1).any():
-        tables.append(("decode per-token-entry miss rate (token->expert routings whose expert "
-                       "is not resident)", "decode_token"))
+        tables.append(
+            (
+                "decode per-token-entry miss rate (token->expert routings whose expert "
+                "is not resident)",
+                "decode_token",
+            )
+        )
     for title, attr in tables:
         out(f"# {title}")
         out(head)
         for c in a.capacities:
-            out(f"{_pct(c):>5} {capacity_slots(trace, c):>6} "
-                + " ".join(f"{_fmt(getattr(results[c][k], attr)):>15}" for k in POLICIES))
+            out(
+                f"{_pct(c):>5} {capacity_slots(trace, c):>6} "
+                + " ".join(f"{_fmt(getattr(results[c][k], attr)):>15}" for k in POLICIES)
+            )
     if len(tables) == 2:
-        out("# decode per-token-entry miss rate: equal to the decode miss rate (every decode "
-            "call routes each expert for one token)")
+        out(
+            "# decode per-token-entry miss rate: equal to the decode miss rate (every decode "
+            "call routes each expert for one token)"
+        )
     out(f"# wall {time.perf_counter() - t0:.1f}s (trace {t_load:.1f}s)")
 
     last = [f"expert_cache_missrate source={source}"]
     for c in (25.0, 50.0):
         r = results[c]
-        last += [f"lru_c{_pct(c)}={_fmt(r['lru_shared'].decode)}",
-                 f"static_c{_pct(c)}={_fmt(r['static'].decode)}",
-                 f"refresh_c{_pct(c)}={_fmt(r['refresh_prefill'].decode)}"]
+        last += [
+            f"lru_c{_pct(c)}={_fmt(r['lru_shared'].decode)}",
+            f"static_c{_pct(c)}={_fmt(r['static'].decode)}",
+            f"refresh_c{_pct(c)}={_fmt(r['refresh_prefill'].decode)}",
+        ]
     for c in (25.0, 50.0):
         r = results[c]
-        last += [f"blind_c{_pct(c)}={_fmt(r['static_blind'].decode)}",
-                 f"lru_layer_c{_pct(c)}={_fmt(r['lru_per_layer'].decode)}"]
+        last += [
+            f"blind_c{_pct(c)}={_fmt(r['static_blind'].decode)}",
+            f"lru_layer_c{_pct(c)}={_fmt(r['lru_per_layer'].decode)}",
+        ]
     out(" ".join(last))
     return 0
 

@@ -1,6 +1,7 @@
 """Anchor markers: the default set of the embedded tokenizer and template, and anchor positions
 found in token spans (single special tokens and multi-token markers alike), checked against a
 slow reference that decodes token by token."""
+
 from __future__ import annotations
 
 import hypothesis.strategies as st
@@ -9,8 +10,16 @@ from hypothesis import given, settings
 
 from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner, derive_markers
 
-ISSUE_MARKERS = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-                 "</tool_response>", "<|im_start|>", "<|im_end|>"}
+ISSUE_MARKERS = {
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<|im_start|>",
+    "<|im_end|>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +54,22 @@ def test_derive_markers_from_template_and_added_tokens():
     got = derive_markers(["<|im_start|>", "[INST]", "<unused_in_template>"], template)
     assert got == sorted({"<|im_start|>", "[INST]", "<think>", "</think>"})
     # Without a template: the added tokens that look like tags or bracket keywords.
-    assert derive_markers(["<|eot_id|>", "[TOOL_CALLS]", "hello"], None) == ["<|eot_id|>", "[TOOL_CALLS]"]
+    assert derive_markers(["<|eot_id|>", "[TOOL_CALLS]", "hello"], None) == [
+        "<|eot_id|>",
+        "[TOOL_CALLS]",
+    ]
 
 
 def test_single_token_markers(tok, scanner):
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\nok"},
-         {"role": "user", "content": "next"}],
-        tokenize=True, add_generation_prompt=True, return_dict=False,
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "<think>\nr\n</think>\n\nok"},
+            {"role": "user", "content": "next"},
+        ],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
     )
     got = scanner.scan(ids).tolist()
     assert set(got) == reference_anchors(tok, ids, scanner.markers)
@@ -80,9 +97,28 @@ def test_span_scan_sees_markers_straddling_its_start(tok, scanner):
 
 
 TEXT = st.lists(
-    st.sampled_from(["<think>", "</think>", "<tool_call>", "</tool_response>", "<|im_start|>",
-                     "<|im_end|>", "<tools>", "</tools>", " <", "tools", ">", "\n", " word",
-                     "x", "é", " <tool", "_call>", "<"]),
+    st.sampled_from(
+        [
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_response>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<tools>",
+            "</tools>",
+            " <",
+            "tools",
+            ">",
+            "\n",
+            " word",
+            "x",
+            "é",
+            " <tool",
+            "_call>",
+            "<",
+        ]
+    ),
     max_size=30,
 ).map("".join)
 

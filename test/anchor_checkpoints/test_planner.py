@@ -3,16 +3,21 @@
 ``TAIL_TOKENS`` tokens, never an empty chunk; every anchor of a prefilled prompt keeps a saved
 state fewer than ``gap`` tokens before it (the bound on tokens a restore loses); and a long
 prompt full of anchors costs logarithmically many cuts, not ``n / min_gap``."""
+
 from __future__ import annotations
 
 import types
 
 import hypothesis.strategies as st
+from cache_sim import B_GT, B_LT, CLOSE, OPEN, VOCAB, toy_scanner
 from hypothesis import given, settings
 
-from cache_sim import B_GT, B_LT, CLOSE, OPEN, VOCAB, toy_scanner
 from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
-from sglang.srt.mem_cache.anchor_checkpoints.planner import SPACING_DIVISOR, TAIL_TOKENS, AnchorPlanner
+from sglang.srt.mem_cache.anchor_checkpoints.planner import (
+    SPACING_DIVISOR,
+    TAIL_TOKENS,
+    AnchorPlanner,
+)
 
 SCANNER = toy_scanner()
 
@@ -70,15 +75,23 @@ def test_admission_retry_keeps_the_latest_figures():
 
 
 PROMPTS = st.lists(
-    st.one_of(st.just([OPEN]), st.just([CLOSE]), st.just([B_LT, B_GT]),
-              st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=12)),
+    st.one_of(
+        st.just([OPEN]),
+        st.just([CLOSE]),
+        st.just([B_LT, B_GT]),
+        st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=12),
+    ),
     max_size=40,
 ).map(lambda parts: [t for part in parts for t in part])
 
 
 @settings(max_examples=300, deadline=None)
-@given(ids=PROMPTS, gap=st.integers(1, 16), budgets=st.lists(st.integers(1, 50), min_size=1, max_size=8),
-       start=st.integers(0, 20))
+@given(
+    ids=PROMPTS,
+    gap=st.integers(1, 16),
+    budgets=st.lists(st.integers(1, 50), min_size=1, max_size=8),
+    start=st.integers(0, 20),
+)
 def test_chunking_keeps_a_state_within_gap_of_every_anchor(ids, gap, budgets, start):
     start = min(start, len(ids))
     p = AnchorPlanner(SCANNER, min_gap=gap)
@@ -129,7 +142,8 @@ def decoding(prompt, out, saved_at):
     """A decoding request as the scheduler sees it after a step: ``out`` appended, the state of
     ``prompt + out[:-1]`` live, the last state saved at ``saved_at``."""
     return types.SimpleNamespace(
-        origin_input_ids=list(prompt), output_ids=list(out),
+        origin_input_ids=list(prompt),
+        output_ids=list(out),
         kv=types.SimpleNamespace(cache_protected_len=saved_at),
     )
 
@@ -183,11 +197,17 @@ def test_decode_anchors_of_the_embedded_tokenizer(tok):
     """The Qwen3 markers a model generates are single special tokens: decode finds the
     before- and after-anchors of each, where a prompt scan finds them."""
     scanner = AnchorScanner.from_tokenizer(tok)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Read a.txt"}], tokenize=True,
-                                     add_generation_prompt=True, return_dict=False)
-    gen = tok.encode("<think>\nI should read the file first.\n</think>\n\nReading it.\n<tool_call>\n"
-                     '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>',
-                     add_special_tokens=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Read a.txt"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    gen = tok.encode(
+        "<think>\nI should read the file first.\n</think>\n\nReading it.\n<tool_call>\n"
+        '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>',
+        add_special_tokens=False,
+    )
     ids = prompt + gen
     expected = [a for a in scanner.scan(ids).tolist() if len(prompt) < a < len(ids)]
     saved = run_decode(AnchorPlanner(scanner, min_gap=1), prompt, gen)

@@ -49,7 +49,10 @@ def make_batch(prefix_lens, extend_lens, hq, hkv, d, dv, dtype, encoder_lens=Non
     assert used <= POOL
     full_q = [torch.randn(s, hq, d, generator=g).to(dtype) for s in seq_lens]
     q_new = torch.cat([fq[p:] for fq, p in zip(full_q, prefix_lens)], 0)
-    t = lambda x: torch.tensor(x, dtype=torch.int64)
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64)
+
     args = dict(
         query=q_new,
         k_cache=k_cache,
@@ -117,13 +120,21 @@ def count_sdpa(module):
 
 
 def run_new(args, dv, **kw):
-    out = torch.full((args["query"].shape[0], args["query"].shape[1], dv), float("nan"), dtype=args["query"].dtype)
+    out = torch.full(
+        (args["query"].shape[0], args["query"].shape[1], dv),
+        float("nan"),
+        dtype=args["query"].dtype,
+    )
     return tne.sdpa_extend_new_rows(output=out, **args, **kw)
 
 
 def run_upstream(args, dv, **kw):
     backend = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
-    out = torch.full((args["query"].shape[0], args["query"].shape[1], dv), float("nan"), dtype=args["query"].dtype)
+    out = torch.full(
+        (args["query"].shape[0], args["query"].shape[1], dv),
+        float("nan"),
+        dtype=args["query"].dtype,
+    )
     return tnb.TorchNativeAttnBackend._run_sdpa_forward_extend(backend, output=out, **args, **kw)
 
 
@@ -137,14 +148,36 @@ BATCHES = [
 
 
 class TestTorchNativeExtendNewRows(unittest.TestCase):
-    def check(self, prefix, extend, hq, hkv, d, dv, dtype, *, causal=True, window=None,
-              encoder_lens=None, cross=False, block_elems=None, seed=0):
+    def check(
+        self,
+        prefix,
+        extend,
+        hq,
+        hkv,
+        d,
+        dv,
+        dtype,
+        *,
+        causal=True,
+        window=None,
+        encoder_lens=None,
+        cross=False,
+        block_elems=None,
+        seed=0,
+    ):
         args, full_q = make_batch(prefix, extend, hq, hkv, d, dv, dtype, encoder_lens, seed)
         scale = 1.0 / math.sqrt(d) * 1.3
-        kw = dict(scaling=scale, enable_gqa=hq != hkv, causal=causal, is_cross_attn=cross,
-                  sliding_window_size=window)
+        kw = dict(
+            scaling=scale,
+            enable_gqa=hq != hkv,
+            causal=causal,
+            is_cross_attn=cross,
+            sliding_window_size=window,
+        )
         out = run_new(args, dv, block_elems=block_elems, **kw)
-        ref = reference(args, full_q, prefix, scale=scale, causal=causal, window=window, cross=cross)
+        ref = reference(
+            args, full_q, prefix, scale=scale, causal=causal, window=window, cross=cross
+        )
         tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
         self.assertFalse(out.isnan().any())
         torch.testing.assert_close(out.double(), ref, **tol)
@@ -172,8 +205,18 @@ class TestTorchNativeExtendNewRows(unittest.TestCase):
             window = rng.choice([None, None, rng.randint(0, 40)])
             block = rng.choice([None, 1, 500, 3000])  # forces many query blocks
             with self.subTest(it=it, prefix=prefix, extend=extend, window=window, block=block):
-                self.check(prefix, extend, hq, hkv, d, dv, torch.float32, window=window,
-                           block_elems=block, seed=it)
+                self.check(
+                    prefix,
+                    extend,
+                    hq,
+                    hkv,
+                    d,
+                    dv,
+                    torch.float32,
+                    window=window,
+                    block_elems=block,
+                    seed=it,
+                )
 
     def test_sliding_window(self):
         for dtype in (torch.float32, torch.bfloat16):
@@ -212,8 +255,10 @@ class TestTorchNativeExtendNewRows(unittest.TestCase):
                 up = run_upstream(args, d, **kw)
             self.assertEqual(sum(q * k for _, q, k, _ in old_calls), full)
             torch.testing.assert_close(out, up, atol=2e-5, rtol=1e-4)
-        print(f"\nSDPA q_rows*kv: new-rows path {new_work}, full-sequence {full} "
-              f"(x{full / new_work:.0f})")
+        print(
+            f"\nSDPA q_rows*kv: new-rows path {new_work}, full-sequence {full} "
+            f"(x{full / new_work:.0f})"
+        )
 
     def test_blocks_bounded(self):
         # A long extend never builds a matrix over the budget at once: the
@@ -249,14 +294,23 @@ class TestTorchNativeExtendNewRows(unittest.TestCase):
         backend.req_to_token_pool = types.SimpleNamespace(req_to_token=args["req_to_token"])
         backend.swa_out_cache_loc = None
         layer = types.SimpleNamespace(
-            qk_head_dim=d, v_head_dim=d, tp_q_head_num=hq, tp_k_head_num=hkv, layer_id=0,
-            is_cross_attention=False, attn_type=AttentionType.DECODER, scaling=0.25,
+            qk_head_dim=d,
+            v_head_dim=d,
+            tp_q_head_num=hq,
+            tp_k_head_num=hkv,
+            layer_id=0,
+            is_cross_attention=False,
+            attn_type=AttentionType.DECODER,
+            scaling=0.25,
             sliding_window_size=-1,
         )
         fb = types.SimpleNamespace(
-            req_pool_indices=args["req_pool_indices"], seq_lens=args["seq_lens"],
-            extend_prefix_lens=args["extend_prefix_lens"], extend_seq_lens=args["extend_seq_lens"],
-            encoder_lens=None, out_cache_loc=None,
+            req_pool_indices=args["req_pool_indices"],
+            seq_lens=args["seq_lens"],
+            extend_prefix_lens=args["extend_prefix_lens"],
+            extend_seq_lens=args["extend_seq_lens"],
+            encoder_lens=None,
+            out_cache_loc=None,
         )
         q = args["query"].reshape(-1, hq * d)
         with count_sdpa(tne) as calls:

@@ -7,6 +7,7 @@ The ``executor_isa`` fixture (one run per executor kernel level) is in ``test/co
 import pytest
 import torch
 
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

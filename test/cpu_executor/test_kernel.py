@@ -50,8 +50,12 @@ def make_problem(T, K, H, I, N, pad=0.2, seed=0):
     w13 = (torch.randn(N, 2 * I, H, generator=g) / H**0.5).bfloat16()
     w2 = (torch.randn(N, H, I, generator=g) / I**0.5).bfloat16()
     tw = torch.rand(T, K, generator=g) / K
-    rows = torch.stack([torch.randperm(N, generator=g)[:K] if K <= N else torch.randint(0, N, (K,), generator=g)
-                        for _ in range(T)]).int()
+    rows = torch.stack(
+        [
+            torch.randperm(N, generator=g)[:K] if K <= N else torch.randint(0, N, (K,), generator=g)
+            for _ in range(T)
+        ]
+    ).int()
     rows[torch.rand(T, K, generator=g) < pad] = -1  # padding entries
     return x, tw, rows, w13, w2
 
@@ -83,7 +87,11 @@ def split_sets(rows, w13, w2, nsets, seed):
         perm = torch.randperm(N, generator=g)  # bank row j holds expert perm[j]
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(N)
-        r = torch.where((rows >= 0) & (which == s), inv[rows.clamp(min=0).long()].int(), torch.full_like(rows, -1))
+        r = torch.where(
+            (rows >= 0) & (which == s),
+            inv[rows.clamp(min=0).long()].int(),
+            torch.full_like(rows, -1),
+        )
         srows.append(r.int())
         s13.append(w13[perm].contiguous())
         s2.append(w2[perm].contiguous())
@@ -187,7 +195,9 @@ def test_concurrent_callers():
             for it in range(15):
                 o = torch.empty(4, 72)
                 if it % 2:
-                    moe_experts_cpu_wait(moe_experts_cpu_submit(x, tw, [rows], [w13], [w2], o, False))
+                    moe_experts_cpu_wait(
+                        moe_experts_cpu_submit(x, tw, [rows], [w13], [w2], o, False)
+                    )
                 else:
                     moe_experts_cpu(x, tw, [rows], [w13], [w2], o)
                 assert torch.equal(o, want[i])
@@ -216,7 +226,14 @@ def test_rows_absent_everywhere_contribute_nothing():
     h = moe_experts_cpu_submit(x[:0], tw[:0], [rows[:0]], [w13], [w2], empty, False)
     moe_experts_cpu_wait(h)
     no_h = torch.empty(4, 0)  # H = 0
-    moe_experts_cpu(x[:, :0].contiguous(), tw, [rows], [w13[:, :, :0].contiguous()], [w2[:, :0].contiguous()], no_h)
+    moe_experts_cpu(
+        x[:, :0].contiguous(),
+        tw,
+        [rows],
+        [w13[:, :, :0].contiguous()],
+        [w2[:, :0].contiguous()],
+        no_h,
+    )
     zero_i = torch.full((4, 64), 7.0)  # I = 0: every expert outputs 0
     moe_experts_cpu(x, tw, [rows], [w13[:, :0].contiguous()], [w2[:, :, :0].contiguous()], zero_i)
     assert torch.equal(zero_i, torch.zeros(4, 64))
@@ -238,7 +255,10 @@ def test_errors_say_what_to_fix():
         (dict(expert_rows=[rows[:, :3].contiguous()]), "K as topk_weights"),
         (dict(expert_rows=[rows.long()]), "int32"),
         (dict(w13=[w13.float()]), "w13\\[0\\] must be a \\[N_0, 2\\*I, H\\]"),
-        (dict(w13=[w13.transpose(1, 2).contiguous().transpose(1, 2)]), "w13\\[0\\] must be contiguous"),
+        (
+            dict(w13=[w13.transpose(1, 2).contiguous().transpose(1, 2)]),
+            "w13\\[0\\] must be contiguous",
+        ),
         (dict(w2=[w2[:4]]), "w2\\[0\\] must be a \\[N_0, H, I\\]"),
         (dict(out=out.bfloat16()), "out must be a contiguous \\[T, H\\]"),
         (dict(w2=[w2, w2]), "lists of the same length"),
@@ -249,7 +269,9 @@ def test_errors_say_what_to_fix():
             call(**kw)
     bad = rows.clone()
     bad[2, 1] = 8
-    with pytest.raises(RuntimeError, match=r"expert_rows\[0\]\[2, 1\] = 8 is out of range \[0, 8\)"):
+    with pytest.raises(
+        RuntimeError, match=r"expert_rows\[0\]\[2, 1\] = 8 is out of range \[0, 8\)"
+    ):
         call(expert_rows=[bad])
     bad[2, 1] = -2
     with pytest.raises(RuntimeError, match="out of range"):

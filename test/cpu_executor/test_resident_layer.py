@@ -29,9 +29,11 @@ def make_layer(E=12, H=96, I=40, dtype=torch.bfloat16, seed=0):
     layer = torch.nn.Module()
     layer.num_experts = E
     layer.w13_weight = torch.nn.Parameter(
-        (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype), requires_grad=False)
+        (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype), requires_grad=False
+    )
     layer.w2_weight = torch.nn.Parameter(
-        (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype), requires_grad=False)
+        (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype), requires_grad=False
+    )
     return layer
 
 
@@ -77,7 +79,9 @@ def test_padding_ids_contribute_nothing():
     ids = ids.clone()
     ids[::3, -1] = -1
     got = cpu_executor.cpu_executor_forward(layer, x, (w, ids, None), MoeRunnerConfig())
-    torch.testing.assert_close(got.double(), reference(layer, x, (w, ids, None)), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        got.double(), reference(layer, x, (w, ids, None)), atol=ATOL, rtol=RTOL
+    )
 
 
 def test_out_of_range_expert_id_is_an_error():
@@ -89,15 +93,31 @@ def test_out_of_range_expert_id_is_an_error():
         cpu_executor.cpu_executor_forward(layer, x, (w, ids, None), MoeRunnerConfig())
 
 
-@pytest.mark.parametrize("change,reason", [
-    (lambda l, c: (make_layer(dtype=torch.float32), c), "bf16 only"),
-    (lambda l, c: (l, MoeRunnerConfig(activation="gelu")), "gated SiLU only"),
-    (lambda l, c: (l, MoeRunnerConfig(apply_router_weight_on_input=True)), "router weight"),
-    (lambda l, c: (l, MoeRunnerConfig(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)), "alpha"),
-    (lambda l, c: (setattr(l, "w13_weight_bias", torch.zeros(1)) or l, c), "biases"),
-    (lambda l, c: (setattr(l, "w2_weight", torch.nn.Parameter(
-        l.w2_weight.transpose(1, 2).contiguous().transpose(1, 2), requires_grad=False)) or l, c), "non-contiguous"),
-])
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (lambda l, c: (make_layer(dtype=torch.float32), c), "bf16 only"),
+        (lambda l, c: (l, MoeRunnerConfig(activation="gelu")), "gated SiLU only"),
+        (lambda l, c: (l, MoeRunnerConfig(apply_router_weight_on_input=True)), "router weight"),
+        (lambda l, c: (l, MoeRunnerConfig(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)), "alpha"),
+        (lambda l, c: (setattr(l, "w13_weight_bias", torch.zeros(1)) or l, c), "biases"),
+        (
+            lambda l, c: (
+                setattr(
+                    l,
+                    "w2_weight",
+                    torch.nn.Parameter(
+                        l.w2_weight.transpose(1, 2).contiguous().transpose(1, 2),
+                        requires_grad=False,
+                    ),
+                )
+                or l,
+                c,
+            ),
+            "non-contiguous",
+        ),
+    ],
+)
 def test_unsupported_layers_keep_upstreams_path(change, reason):
     layer, cfg = change(make_layer(), MoeRunnerConfig())
     x, topk = make_routing()
@@ -129,8 +149,12 @@ def test_patched_forward_cpu_uses_the_executor(monkeypatch):
     layer.use_intel_amx_backend = False
     x, topk = make_routing()
     res = method.forward_cpu(layer, types.SimpleNamespace(hidden_states=x, topk_output=topk))
-    torch.testing.assert_close(res.hidden_states, cpu_executor.cpu_executor_forward(layer, x, topk, MoeRunnerConfig()),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        res.hidden_states,
+        cpu_executor.cpu_executor_forward(layer, x, topk, MoeRunnerConfig()),
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_float32_activations_keep_upstreams_path():

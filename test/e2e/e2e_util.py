@@ -5,6 +5,7 @@ Where a test needs the model to produce something specific it forces it with the
 knobs (regex constraints, forced tool choice, ``logit_bias``), built from the model's tokenizer
 here.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import requests
-
 from server import Server
 
 TIMEOUT = 300
@@ -24,11 +24,22 @@ def _fail_message(srv: Server, r: requests.Response) -> str:
     return f"HTTP {r.status_code}: {r.text[:2000]}\n--- server log ---\n{srv.log_tail(40)}"
 
 
-def post(srv: Server, path: str, body: dict | None = None, *, data: str | None = None,
-         stream: bool = False) -> requests.Response:
+def post(
+    srv: Server,
+    path: str,
+    body: dict | None = None,
+    *,
+    data: str | None = None,
+    stream: bool = False,
+) -> requests.Response:
     if data is not None:
-        return requests.post(srv.url + path, data=data, timeout=TIMEOUT, stream=stream,
-                             headers={"Content-Type": "application/json"})
+        return requests.post(
+            srv.url + path,
+            data=data,
+            timeout=TIMEOUT,
+            stream=stream,
+            headers={"Content-Type": "application/json"},
+        )
     return requests.post(srv.url + path, json=body, timeout=TIMEOUT, stream=stream)
 
 
@@ -61,7 +72,7 @@ def chat_stream(srv: Server, **body) -> list[dict]:
     r = post(srv, "/v1/chat/completions", body, stream=True)
     assert r.status_code == 200, _fail_message(srv, r)
     assert r.headers["content-type"].startswith("text/event-stream")
-    datas = [line[len("data:"):].strip() for line in sse_lines(r) if line.startswith("data:")]
+    datas = [line[len("data:") :].strip() for line in sse_lines(r) if line.startswith("data:")]
     assert datas and datas[-1] == "[DONE]", f"stream did not end with [DONE]: {datas[-3:]}"
     chunks = [json.loads(d) for d in datas[:-1]]
     for c in chunks:
@@ -78,9 +89,9 @@ def messages_stream(srv: Server, **body) -> list[tuple[str, dict]]:
     events, event = [], None
     for line in sse_lines(r):
         if line.startswith("event:"):
-            event = line[len("event:"):].strip()
+            event = line[len("event:") :].strip()
         elif line.startswith("data:"):
-            data = json.loads(line[len("data:"):].strip())
+            data = json.loads(line[len("data:") :].strip())
             assert event == data["type"], (event, data)
             events.append((event, data))
             event = None

@@ -3,6 +3,7 @@
 The server runs from the repository's .venv with the same flags as `make serve` (CPU flags when no
 GPU is present), on a free loopback port, with its log in a file shown when startup fails.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,7 +65,10 @@ class Server:
                 self.proc.wait()
 
     def alive(self) -> bool:
-        return self.proc.poll() is None and requests.get(self.url + "/health", timeout=30).status_code == 200
+        return (
+            self.proc.poll() is None
+            and requests.get(self.url + "/health", timeout=30).status_code == 200
+        )
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -85,7 +89,10 @@ def start_server(
     args = server_args(model, port, extra)
     log = Path(tempfile.mkstemp(prefix=f"sglang-{port}-", suffix=".log")[1])
     proc = subprocess.Popen(
-        args, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        args,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
         env={**os.environ, **(env or {})},
     )
     srv = Server(proc, f"http://127.0.0.1:{port}", log, model, args)

@@ -25,6 +25,7 @@ after the reasoning replaced. With anchors on, the second request restores from 
 during decode, fewer than ``min_gap`` tokens before the edit; with anchors off, from the prompt
 end.
 """
+
 from __future__ import annotations
 
 import random
@@ -33,7 +34,6 @@ import types
 
 import pytest
 import requests
-
 from server import ensure_model, start_server
 from test_parity import LOGPROB_ATOL
 
@@ -45,14 +45,40 @@ NEW_TOKENS = 12
 MIN_GAP = 64  # the server default
 CHUNK = 4096  # chunked_prefill_size of the CPU server
 
-TOOLS = [{"type": "function", "function": {
-    "name": "read", "description": "Read a file",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _words(rng: random.Random, n: int) -> str:
-    vocab = ["alpha", "beta", "gamma", "delta", "file", "line", "value", "agent", "tool", "read",
-             "write", "check", "result", "output", "error", "path", "count", "word", "next"]
+    vocab = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "file",
+        "line",
+        "value",
+        "agent",
+        "tool",
+        "read",
+        "write",
+        "check",
+        "result",
+        "output",
+        "error",
+        "path",
+        "count",
+        "word",
+        "next",
+    ]
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
@@ -64,21 +90,38 @@ def _chat_cases(tok) -> dict[str, tuple[list[int], list[int]]]:
     rng = random.Random(7)
 
     def ids(msgs):
-        return tok.apply_chat_template(msgs, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False)
+        return tok.apply_chat_template(
+            msgs, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
 
     system = {"role": "system", "content": "You are a coding agent. " + _words(rng, 60)}
     user1 = {"role": "user", "content": "Look at a.txt. " + _words(rng, 40)}
-    a1 = {"role": "assistant", "reasoning_content": _words(rng, 50), "content": _words(rng, 15),
-          "tool_calls": [_call("a.txt")]}
+    a1 = {
+        "role": "assistant",
+        "reasoning_content": _words(rng, 50),
+        "content": _words(rng, 15),
+        "tool_calls": [_call("a.txt")],
+    }
     tool1 = {"role": "tool", "content": _words(rng, 120)}
-    a2 = {"role": "assistant", "reasoning_content": _words(rng, 40), "content": _words(rng, 10),
-          "tool_calls": [_call("b.txt")]}
+    a2 = {
+        "role": "assistant",
+        "reasoning_content": _words(rng, 40),
+        "content": _words(rng, 10),
+        "tool_calls": [_call("b.txt")],
+    }
     tool2 = {"role": "tool", "content": _words(rng, 100)}
-    internal = {"role": "user", "content": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> " + _words(rng, 50)}
+    internal = {
+        "role": "user",
+        "content": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> " + _words(rng, 50),
+    }
     user2 = {"role": "user", "content": "Now b.txt please. " + _words(rng, 20)}
     cleared = dict(tool1, content="[Old tool result content cleared]")
-    a3 = {"role": "assistant", "reasoning_content": _words(rng, 30), "content": "",
-          "tool_calls": [_call("c.txt")]}
+    a3 = {
+        "role": "assistant",
+        "reasoning_content": _words(rng, 30),
+        "content": "",
+        "tool_calls": [_call("c.txt")],
+    }
     tool3 = {"role": "tool", "content": _words(rng, 60)}
     return {
         # OpenClaw: the trailing internal-context message moves behind the new turns.
@@ -123,19 +166,35 @@ def _anthropic_case(url: str) -> tuple[list[int], list[int]]:
     conv = AnthropicPromptIds(url)
     think = {"type": "thinking", "thinking": _words(rng, 60), "signature": "x"}
     use = {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "a.txt"}}
-    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                           "content": _words(rng, 80)}]}
-    tools = [{"name": "read", "description": "Read a file",
-              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
-    base = {"model": "default", "max_tokens": 8, "system": "You are Claude Code. " + _words(rng, 60),
-            "tools": tools}
+    result = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "t1", "content": _words(rng, 80)}],
+    }
+    tools = [
+        {
+            "name": "read",
+            "description": "Read a file",
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+        }
+    ]
+    base = {
+        "model": "default",
+        "max_tokens": 8,
+        "system": "You are Claude Code. " + _words(rng, 60),
+        "tools": tools,
+    }
     user1 = {"role": "user", "content": "Read a.txt. " + _words(rng, 30)}
     first = dict(base, messages=[user1, {"role": "assistant", "content": [think, use]}, result])
-    second = dict(base, messages=[
-        user1, {"role": "assistant", "content": [use]}, result,  # earlier thinking dropped
-        {"role": "assistant", "content": [{"type": "text", "text": _words(rng, 20)}]},
-        {"role": "user", "content": "And b.txt? " + _words(rng, 20)},
-    ])
+    second = dict(
+        base,
+        messages=[
+            user1,
+            {"role": "assistant", "content": [use]},
+            result,  # earlier thinking dropped
+            {"role": "assistant", "content": [{"type": "text", "text": _words(rng, 20)}]},
+            {"role": "user", "content": "And b.txt? " + _words(rng, 20)},
+        ],
+    )
     return conv(first), conv(second)
 
 
@@ -144,27 +203,55 @@ def _decode_cases(tok) -> dict[str, tuple[list[int], list[int], list[int]]]:
     the whole script; the second prompt repeats it up to the edit."""
     rng = random.Random(13)
     prompt = tok.apply_chat_template(
-        [{"role": "system", "content": "You are a coding agent. " + _words(rng, 40)},
-         {"role": "user", "content": "Look at a.txt. " + _words(rng, 30)}],
-        tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False)
+        [
+            {"role": "system", "content": "You are a coding agent. " + _words(rng, 40)},
+            {"role": "user", "content": "Look at a.txt. " + _words(rng, 30)},
+        ],
+        tools=TOOLS,
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-    im_end, tool_call, think_end = (tok.convert_tokens_to_ids(t)
-                                    for t in ("<|im_end|>", "<tool_call>", "</think>"))
-    script = enc("<think>\n" + _words(rng, 70) + "\n</think>\n\n" + _words(rng, 70) + "\n<tool_call>\n"
-                 '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>') + [im_end]
-    turn_rest = enc("\n<|im_start|>user\n<tool_response>\n" + _words(rng, 40)
-                    + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    im_end, tool_call, think_end = (
+        tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<tool_call>", "</think>")
+    )
+    script = enc(
+        "<think>\n" + _words(rng, 70) + "\n</think>\n\n" + _words(rng, 70) + "\n<tool_call>\n"
+        '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>'
+    ) + [im_end]
+    turn_rest = enc(
+        "\n<|im_start|>user\n<tool_response>\n"
+        + _words(rng, 40)
+        + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     at_call = prompt + script[: script.index(tool_call)]
     after_think = prompt + script[: script.index(think_end) + 1]
     return {
         # The harness re-serializes the tool call (arguments re-formatted, a default added).
-        "decode_tool_call_reserialized": (prompt, script, at_call + enc(
-            '<tool_call>\n{"name": "read", "arguments": {"path": "a.txt", "offset": 0}}\n'
-            "</tool_call>") + [im_end] + turn_rest),
+        "decode_tool_call_reserialized": (
+            prompt,
+            script,
+            at_call
+            + enc(
+                '<tool_call>\n{"name": "read", "arguments": {"path": "a.txt", "offset": 0}}\n'
+                "</tool_call>"
+            )
+            + [im_end]
+            + turn_rest,
+        ),
         # The harness keeps the reasoning but replaces the content after it.
-        "decode_content_after_thinking_replaced": (prompt, script, after_think + enc(
-            "\n\n" + _words(rng, 25) + "\n<tool_call>\n"
-            '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>') + [im_end] + turn_rest),
+        "decode_content_after_thinking_replaced": (
+            prompt,
+            script,
+            after_think
+            + enc(
+                "\n\n" + _words(rng, 25) + "\n<tool_call>\n"
+                '{"name": "read", "arguments": {"path": "a.txt"}}\n</tool_call>'
+            )
+            + [im_end]
+            + turn_rest,
+        ),
     }
 
 
@@ -172,7 +259,8 @@ def _generate(url: str, ids: list[int], n: int, script: list[int] | None = None)
     body = {
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
-        "return_logprob": True, "logprob_start_len": -1,
+        "return_logprob": True,
+        "logprob_start_len": -1,
     }
     if script is not None:
         from sglang.test.scripted_logits import ScriptedTokens
@@ -224,9 +312,11 @@ def runs():
     cases = {**_chat_cases(tok), **_token_cases(tok), **_decode_cases(tok)}
     results, metrics = {}, None
     for mode, extra in (("off", ["--disable-anchor-checkpoints"]), ("on", [])):
-        srv = start_server(model, ["--dtype", "float32", "--enable-metrics",
-                                   "--enable-custom-logit-processor", *extra],
-                           env={"SGLANG_MAMBA_CONV_DTYPE": "float32"})
+        srv = start_server(
+            model,
+            ["--dtype", "float32", "--enable-metrics", "--enable-custom-logit-processor", *extra],
+            env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
+        )
         try:
             if "messages_drop_thinking_blocks" not in cases:
                 cases["messages_drop_thinking_blocks"] = _anthropic_case(srv.url)
@@ -236,8 +326,10 @@ def runs():
         finally:
             srv.stop()
     for name in cases:  # shown with -s: what each edit cost with anchors off and on
-        print(f"{name}: prompt={len(cases[name][-1])} edit_at={_lcp(*_pair(cases[name]))} "
-              f"cached_off={results['off'][name]['cached']} cached_on={results['on'][name]['cached']}")
+        print(
+            f"{name}: prompt={len(cases[name][-1])} edit_at={_lcp(*_pair(cases[name]))} "
+            f"cached_off={results['off'][name]['cached']} cached_on={results['on'][name]['cached']}"
+        )
     print(f"anchor metrics: {metrics}")
     return types.SimpleNamespace(cases=cases, results=results, metrics=metrics, tok=tok)
 
@@ -277,8 +369,11 @@ def _expected_restore(tok, case: tuple) -> int:
     if len(case) == 3:  # decode: step k feeds output k-1; the last step finishes the request
         script, last = case[1], len(first)
         for k in range(2, len(script)):
-            dreq = types.SimpleNamespace(origin_input_ids=first, output_ids=script[:k],
-                                         kv=types.SimpleNamespace(cache_protected_len=last))
+            dreq = types.SimpleNamespace(
+                origin_input_ids=first,
+                output_ids=script[:k],
+                kv=types.SimpleNamespace(cache_protected_len=last),
+            )
             if planner.decode_anchor(dreq, len(first) + k - 1):
                 last = len(first) + k - 1
                 states.add(last)
@@ -289,17 +384,23 @@ def _expected_restore(tok, case: tuple) -> int:
 
 
 CASE_NAMES = [
-    "openclaw_trailing_message", "opencode_old_tool_output_cleared",
-    "qwen3_template_drops_reasoning", "messages_drop_thinking_blocks",
-    "restore_mid_multitoken_marker", "prompt_ends_at_anchor",
-    "decode_tool_call_reserialized", "decode_content_after_thinking_replaced",
+    "openclaw_trailing_message",
+    "opencode_old_tool_output_cleared",
+    "qwen3_template_drops_reasoning",
+    "messages_drop_thinking_blocks",
+    "restore_mid_multitoken_marker",
+    "prompt_ends_at_anchor",
+    "decode_tool_call_reserialized",
+    "decode_content_after_thinking_replaced",
 ]
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_same_output_with_anchors_on_and_off(runs, case):
     off, on = runs.results["off"][case], runs.results["on"][case]
-    assert on["tokens"] == off["tokens"], f"greedy tokens differ:\n on  {on['tokens']}\n off {off['tokens']}"
+    assert on["tokens"] == off["tokens"], (
+        f"greedy tokens differ:\n on  {on['tokens']}\n off {off['tokens']}"
+    )
     err = max(abs(a - b) for a, b in zip(on["logprobs"], off["logprobs"]))
     assert err < LOGPROB_ATOL, err
 
@@ -320,8 +421,10 @@ def test_restores_from_the_anchor(runs, case):
         # tokens, independently of the planner the expectation above replays).
         prompt, script = runs.cases[case][:2]
         i = on["cached"] - len(prompt)
-        markers = {runs.tok.convert_tokens_to_ids(t) for t in
-                   ("<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>")}
+        markers = {
+            runs.tok.convert_tokens_to_ids(t)
+            for t in ("<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>")
+        }
         assert 0 < i < len(script) and (script[i] in markers or script[i - 1] in markers), i
     assert edit - gap < on["cached"] <= edit, (edit, gap, on["cached"])
     if case == "prompt_ends_at_anchor":

@@ -7,6 +7,7 @@ Outputs that a random model would not produce by itself are forced with the serv
 request knobs: a regex constraint for ``<think>...</think>answer``, forced tool choice plus a
 whitespace ``logit_bias`` for tool calls (see ``e2e_util.whitespace_ban``).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ import re
 
 import jsonschema
 import pytest
-
 from e2e_util import (
     bias_where,
     chat,
@@ -82,7 +82,9 @@ def test_chat_streaming(server, include_usage):
     assert len({c["id"] for c in chunks}) == 1
     with_choices = [c for c in chunks if c["choices"]]
     assert with_choices[0]["choices"][0]["delta"]["role"] == "assistant"
-    finishes = [c["choices"][0]["finish_reason"] for c in with_choices if c["choices"][0]["finish_reason"]]
+    finishes = [
+        c["choices"][0]["finish_reason"] for c in with_choices if c["choices"][0]["finish_reason"]
+    ]
     assert len(finishes) == 1 and finishes[0] in ("length", "stop")
     streamed = "".join(
         (c["choices"][0]["delta"].get("content") or "")
@@ -290,7 +292,7 @@ def test_reasoning_split_streaming(server):
     assert re.fullmatch(WORD, reasoning.strip()), reasoning
     assert re.fullmatch(WORD, content.strip()), content
     # all reasoning deltas come before the first content delta
-    assert kinds[0] == "r" and "r" not in kinds[kinds.index("c"):], kinds
+    assert kinds[0] == "r" and "r" not in kinds[kinds.index("c") :], kinds
 
 
 def test_thinking_default_goes_to_reasoning(server):
@@ -309,7 +311,10 @@ def test_continue_final_message_after_closed_think(server):
     """
     j = chat(
         server,
-        messages=[user("Yes or no?"), {"role": "assistant", "content": "<think>\nShort.\n</think>\n\n"}],
+        messages=[
+            user("Yes or no?"),
+            {"role": "assistant", "content": "<think>\nShort.\n</think>\n\n"},
+        ],
         continue_final_message=True,
         max_tokens=12,
         regex=r"(yes|no)\.",
@@ -345,8 +350,14 @@ def check_message(resp: dict, max_tokens: int) -> None:
 def test_messages_system_blocks(server):
     """``system`` as text blocks is the same prompt as the joined string."""
     base = dict(messages=[user("Hi")], max_tokens=2, thinking={"type": "disabled"})
-    blocks = messages(server, system=[{"type": "text", "text": "You are terse."},
-                                      {"type": "text", "text": "Answer in French."}], **base)
+    blocks = messages(
+        server,
+        system=[
+            {"type": "text", "text": "You are terse."},
+            {"type": "text", "text": "Answer in French."},
+        ],
+        **base,
+    )
     check_message(blocks, 2)
     joined = messages(server, system="You are terse.\nAnswer in French.", **base)
     bare = messages(server, **base)
@@ -355,16 +366,23 @@ def test_messages_system_blocks(server):
 
 def test_messages_inline_system_message(server):
     base = dict(max_tokens=2, thinking={"type": "disabled"})
-    with_sys = messages(server, messages=[
-        {"role": "system", "content": "You are terse."},
-        user("Hi"),
-        {"role": "assistant", "content": "Hello."},
-        {"role": "system", "content": [{"type": "text", "text": "Now answer in French."}]},
-        user("Again"),
-    ], **base)
+    with_sys = messages(
+        server,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            user("Hi"),
+            {"role": "assistant", "content": "Hello."},
+            {"role": "system", "content": [{"type": "text", "text": "Now answer in French."}]},
+            user("Again"),
+        ],
+        **base,
+    )
     check_message(with_sys, 2)
-    without = messages(server, messages=[user("Hi"), {"role": "assistant", "content": "Hello."},
-                                         user("Again")], **base)
+    without = messages(
+        server,
+        messages=[user("Hi"), {"role": "assistant", "content": "Hello."}, user("Again")],
+        **base,
+    )
     assert prompt_tokens(with_sys) > prompt_tokens(without)
 
 
@@ -427,16 +445,28 @@ def test_messages_streaming(server, mode):
 WEATHER_ANTHROPIC = {
     "name": "get_weather",
     "description": "Current weather in a city.",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
 }
 
 
 def tool_history(n_results: int) -> list[dict]:
     results = [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"},
-        {"type": "tool_result", "tool_use_id": "toolu_2",
-         "content": [{"type": "text", "text": "Rain, 9 C"}]},
-        {"type": "tool_result", "tool_use_id": "toolu_3", "content": "city not found", "is_error": True},
+        {
+            "type": "tool_result",
+            "tool_use_id": "toolu_2",
+            "content": [{"type": "text", "text": "Rain, 9 C"}],
+        },
+        {
+            "type": "tool_result",
+            "tool_use_id": "toolu_3",
+            "content": "city not found",
+            "is_error": True,
+        },
     ][:n_results]
     calls = [
         {"type": "tool_use", "id": f"toolu_{i + 1}", "name": "get_weather", "input": {"city": c}}

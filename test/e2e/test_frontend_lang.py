@@ -4,6 +4,7 @@ The program uses ``gen`` (with ``max_tokens`` and a stop string), ``select`` amo
 two-way ``fork`` joined back into the main state; the model has random weights, so the test
 checks the structure of the results.
 """
+
 from __future__ import annotations
 
 import sglang as sgl

@@ -17,12 +17,12 @@ flipping greedy tokens.
 Prefix cache: a second request whose prompt extends the first one's must report cached tokens
 and still match the cold transformers result.
 """
+
 from __future__ import annotations
 
 import pytest
 import requests
 import torch
-
 from server import ensure_model, start_server
 
 LOGPROB_ATOL = 2e-3
@@ -43,13 +43,18 @@ def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float], l
     seq = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(
-            seq, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            seq,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
         full = model(out.sequences[:, :-1]).logits.float().log_softmax(-1)[0]
     all_ids = out.sequences[0].tolist()
     lp = [full[i - 1, all_ids[i]].item() for i in range(1, len(all_ids))]
-    return all_ids[len(ids):], lp[: len(ids) - 1], lp[len(ids) - 1:]
+    return all_ids[len(ids) :], lp[: len(ids) - 1], lp[len(ids) - 1 :]
 
 
 def _server_greedy(url: str, ids: list[int], n: int, input_logprobs: bool = True) -> dict:
@@ -76,7 +81,9 @@ def served(request):
     model_dir = ensure_model(request.param)
     # Recurrent conv state defaults to bf16 whatever the model dtype (SGLANG_MAMBA_CONV_DTYPE,
     # srt/configs/mamba_utils.py); keep every state in float32 for parity.
-    srv = start_server(model_dir, ["--dtype", "float32"], env={"SGLANG_MAMBA_CONV_DTYPE": "float32"})
+    srv = start_server(
+        model_dir, ["--dtype", "float32"], env={"SGLANG_MAMBA_CONV_DTYPE": "float32"}
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     yield srv, hf
     srv.stop()

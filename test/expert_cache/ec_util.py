@@ -105,7 +105,9 @@ def check_call(
                 else:
                     assert c == g and slot_of_id[g] == -1
     Stat = control.Stat
-    q, cpu, hits, m = (res.counts[i] for i in (Stat.FILLS, Stat.CPU_EXPERTS, Stat.HITS, Stat.MISSES))
+    q, cpu, hits, m = (
+        res.counts[i] for i in (Stat.FILLS, Stat.CPU_EXPERTS, Stat.HITS, Stat.MISSES)
+    )
     assert q + cpu == m and hits + m == len(routed) and 0 <= q <= len(res.fill_src)
     assert all(x == -1 for x in res.fill_src[q:]) and all(x == -1 for x in res.fill_dst[q:])
     assert len(set(res.fill_dst[:q])) == q

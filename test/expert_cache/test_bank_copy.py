@@ -52,7 +52,9 @@ def test_count_masks_valid_looking_entries():
     dst = [torch.zeros((SLOTS,) + s.shape[1:], dtype=s.dtype) for s in src]
     fill_src = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     fill_dst = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-    control.expert_bank_copy(src, dst, control.FillList(fill_src, fill_dst, torch.tensor([2], dtype=torch.int32)))
+    control.expert_bank_copy(
+        src, dst, control.FillList(fill_src, fill_dst, torch.tensor([2], dtype=torch.int32))
+    )
     for s, d in zip(src, dst):
         assert torch.equal(d[:2], s[1:3]) and not d[2:].any()
 
@@ -63,7 +65,8 @@ def test_large_rows_parallel_path():
     fs, fd = [7, 0, 3, 5], [4, 1, 0, 2]
     want = reference_copy(src, dst, fs, fd, 4)
     fills = control.FillList(
-        torch.tensor(fs, dtype=torch.int32), torch.tensor(fd, dtype=torch.int32),
+        torch.tensor(fs, dtype=torch.int32),
+        torch.tensor(fd, dtype=torch.int32),
         torch.tensor([4, 0, 0, 0], dtype=torch.int32),
     )
     control.expert_bank_copy(src, dst, fills)
@@ -75,8 +78,11 @@ def _ok():
     src = banks(ROWS)[:2]
     dst = [torch.zeros((SLOTS,) + s.shape[1:], dtype=s.dtype) for s in src]
     return dict(
-        src_banks=src, dst_banks=dst, fill_src=torch.tensor([0, 1], dtype=torch.int32),
-        fill_dst=torch.tensor([0, 1], dtype=torch.int32), counts=torch.tensor([2], dtype=torch.int32),
+        src_banks=src,
+        dst_banks=dst,
+        fill_src=torch.tensor([0, 1], dtype=torch.int32),
+        fill_dst=torch.tensor([0, 1], dtype=torch.int32),
+        counts=torch.tensor([2], dtype=torch.int32),
     )
 
 
@@ -84,10 +90,20 @@ def _ok():
     "mutate, match",
     [
         (lambda a: a.update(dst_banks=a["dst_banks"][:1]), "same length"),
-        (lambda a: a.update(dst_banks=[torch.zeros(SLOTS, 3, 4, dtype=torch.bfloat16), a["dst_banks"][1]]), "row shape"),
+        (
+            lambda a: a.update(
+                dst_banks=[torch.zeros(SLOTS, 3, 4, dtype=torch.bfloat16), a["dst_banks"][1]]
+            ),
+            "row shape",
+        ),
         (lambda a: a.update(dst_banks=[torch.zeros(SLOTS, 3, 5), a["dst_banks"][1]]), "dtypes"),
-        (lambda a: a.update(src_banks=[a["src_banks"][0].transpose(1, 2), a["src_banks"][1]],
-                            dst_banks=[torch.zeros(SLOTS, 5, 3, dtype=torch.bfloat16), a["dst_banks"][1]]), "contiguous"),
+        (
+            lambda a: a.update(
+                src_banks=[a["src_banks"][0].transpose(1, 2), a["src_banks"][1]],
+                dst_banks=[torch.zeros(SLOTS, 5, 3, dtype=torch.bfloat16), a["dst_banks"][1]],
+            ),
+            "contiguous",
+        ),
         (lambda a: a.update(fill_src=torch.tensor([0, ROWS], dtype=torch.int32)), "fill_src"),
         (lambda a: a.update(fill_dst=torch.tensor([-1, 1], dtype=torch.int32)), "fill_dst"),
         (lambda a: a.update(counts=torch.tensor([3], dtype=torch.int32)), "counts"),
@@ -104,7 +120,11 @@ def test_errors(mutate, match):
 
 def test_no_banks_is_a_noop():
     torch.ops.sgl_kernel.expert_bank_copy(
-        [], [], torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+        [],
+        [],
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
     )
 
 

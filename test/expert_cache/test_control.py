@@ -16,7 +16,7 @@ import torch
 from ec_util import OpCache, check_call, control, random_routing, ref_state, reference
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 QSTAR, FILL, CPU = control.MissPolicy.QSTAR, control.MissPolicy.FILL, control.MissPolicy.CPU
 
@@ -49,7 +49,7 @@ def test_random_sequences(seed, victim_scan_isa):
     op = OpCache(L, E, S, F, top_k=K)
     ref = reference.ReferenceExpertCache(L, E, S)
     hot = {layer: rng.sample(range(E), max(K, E // 4)) for layer in range(L)}
-    for it in range(60):
+    for _ in range(60):
         layer = rng.randrange(L)
         if rng.random() < 0.1:  # the working set drifts
             hot[layer] = rng.sample(range(E), max(K, E // 4))
@@ -90,10 +90,13 @@ class ControlMachine(RuleBasedStateMachine):
         layer = data.draw(st.integers(0, self.L - 1), label="layer")
         # a small expert alphabet per call makes hits, ties and repeats likely
         alphabet = data.draw(
-            st.lists(st.integers(0, self.E - 1), min_size=1, max_size=self.E, unique=True), label="alphabet"
+            st.lists(st.integers(0, self.E - 1), min_size=1, max_size=self.E, unique=True),
+            label="alphabet",
         )
         ids = st.one_of(st.sampled_from(alphabet), st.just(-1))
-        topk = data.draw(st.lists(st.lists(ids, min_size=self.K, max_size=self.K), min_size=T, max_size=T))
+        topk = data.draw(
+            st.lists(st.lists(ids, min_size=self.K, max_size=self.K), min_size=T, max_size=T)
+        )
         step(self.op, self.ref, topk, layer, ratio, policy)
 
     @invariant()
@@ -133,8 +136,19 @@ def test_no_miss_and_empty_batch():
 
 @pytest.mark.parametrize(
     "m, ratio, q",
-    [(3, 0.5, 2), (3, 0.1, 1), (3, 0.0, 1), (3, 3.0, 3), (1, 0.5, 1), (5, 0.5, 3), (4, 0.5, 2), (6, 0.25, 2),
-     (7, 0.8, 6), (10, 0.05, 1), (10, 0.15, 2)],
+    [
+        (3, 0.5, 2),
+        (3, 0.1, 1),
+        (3, 0.0, 1),
+        (3, 3.0, 3),
+        (1, 0.5, 1),
+        (5, 0.5, 3),
+        (4, 0.5, 2),
+        (6, 0.25, 2),
+        (7, 0.8, 6),
+        (10, 0.05, 1),
+        (10, 0.15, 2),
+    ],
 )
 def test_qstar_rounding(m, ratio, q):
     assert reference.fill_count(QSTAR, m, ratio) == q == min(max(math.floor(m * ratio + 0.5), 1), m)
@@ -322,7 +336,12 @@ def test_enumerations_come_from_the_op_library():
     # 3 distinct misses, 1 fill (qstar at ratio 0.2 rounds 0.6 up to 1), then a hit.
     r = op.control([[1, 2], [3, -1]], 0, 0.2, QSTAR)
     S = control.Stat
-    assert (r.counts[S.FILLS], r.counts[S.CPU_EXPERTS], r.counts[S.HITS], r.counts[S.MISSES]) == (1, 2, 0, 3)
+    assert (r.counts[S.FILLS], r.counts[S.CPU_EXPERTS], r.counts[S.HITS], r.counts[S.MISSES]) == (
+        1,
+        2,
+        0,
+        3,
+    )
     filled = r.fill_src[0]
     r = op.control([[filled, -1]], 0, 0.2, QSTAR)
     assert r.counts[S.HITS] == 1 and r.counts[S.MISSES] == 0

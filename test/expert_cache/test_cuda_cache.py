@@ -26,16 +26,24 @@ pytestmark = pytest.mark.skipif(
 def runner_config():
     """A Qwen3-MoE layer's runner config, with the server state upstream's fused MoE reads."""
     pytest.importorskip("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
+    from test_slot_cache import E, H, I, K
+
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-    from test_slot_cache import E, H, I, K
 
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))
     with get_parallel().override(tp_group=None):
         yield MoeRunnerConfig(
-            num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
-            top_k=K, params_dtype=torch.bfloat16, activation="silu", is_gated=True, inplace=True,
+            num_experts=E,
+            num_local_experts=E,
+            hidden_size=H,
+            intermediate_size_per_partition=I,
+            top_k=K,
+            params_dtype=torch.bfloat16,
+            activation="silu",
+            is_gated=True,
+            inplace=True,
         )
 
 
@@ -52,8 +60,9 @@ def _tolerance(ref: torch.Tensor) -> dict:
 def test_forward_on_cuda_matches_the_cpu_cache(
     runner_config, monkeypatch, size, policy, stream_tokens
 ):
-    from sglang.srt.layers.moe.expert_cache.cuda_branch import STREAM_TOKENS_ENV
     from test_slot_cache import make_cache, routing
+
+    from sglang.srt.layers.moe.expert_cache.cuda_branch import STREAM_TOKENS_ENV
 
     monkeypatch.setenv(STREAM_TOKENS_ENV, stream_tokens)
     cpu = make_cache(size, policy)

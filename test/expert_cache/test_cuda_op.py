@@ -16,7 +16,8 @@ HAS_CUDA_OP = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_di
     "sgl_kernel::expert_cache_control", "CUDA"
 )
 pytestmark = pytest.mark.skipif(
-    not HAS_CUDA_OP, reason="needs a GPU and sgl_kernel_fork built with CUDA (torch.cuda unavailable here)"
+    not HAS_CUDA_OP,
+    reason="needs a GPU and sgl_kernel_fork built with CUDA (torch.cuda unavailable here)",
 )
 
 
@@ -107,7 +108,9 @@ def test_bank_copy_matches_cpu(src_kind):
         dst_cpu = [torch.zeros((slots,) + b.shape[1:], dtype=b.dtype) for b in src_cpu]
         dst = [d.cuda() for d in dst_cpu]
         control.expert_bank_copy(src_cpu, dst_cpu, control.FillList(fill_src, fill_dst, counts))
-        control.expert_bank_copy(src, dst, control.FillList(fill_src.cuda(), fill_dst.cuda(), counts.cuda()))
+        control.expert_bank_copy(
+            src, dst, control.FillList(fill_src.cuda(), fill_dst.cuda(), counts.cuda())
+        )
         torch.cuda.synchronize()
         for d, w in zip(dst, dst_cpu):
             assert torch.equal(d.cpu(), w)
@@ -144,8 +147,13 @@ def test_cuda_graph_replay_matches_cpu():
         body()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    for t in (gpu.tables.slot_of_id, gpu.tables.id_of_slot, gpu.tables.slot_last_use, gpu.tables.clock,
-              gpu.tables.stats):
+    for t in (
+        gpu.tables.slot_of_id,
+        gpu.tables.id_of_slot,
+        gpu.tables.slot_last_use,
+        gpu.tables.clock,
+        gpu.tables.stats,
+    ):
         t.fill_(-1 if t.dtype == torch.int32 or t is gpu.tables.slot_last_use else 0)
     for d in dst:
         d.zero_()

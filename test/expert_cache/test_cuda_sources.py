@@ -63,7 +63,19 @@ def kernel_object(tmp_path_factory):
     if nvcc is None:
         pytest.skip("nvcc not found")
     out = tmp_path_factory.mktemp("nvcc") / "expert_cache.o"
-    r = _run([nvcc, "-c", "-std=c++17", "-arch=sm_90", "-O3", f"-I{CSRC}", CUDA_DIR / "expert_cache.cu", "-o", out])
+    r = _run(
+        [
+            nvcc,
+            "-c",
+            "-std=c++17",
+            "-arch=sm_90",
+            "-O3",
+            f"-I{CSRC}",
+            CUDA_DIR / "expert_cache.cu",
+            "-o",
+            out,
+        ]
+    )
     assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
     return out
 
@@ -73,7 +85,7 @@ def test_kernels_compile_with_nvcc(kernel_object):
 
 
 def test_binding_compiles_against_torch_and_cuda_headers(kernel_object, tmp_path):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from torch.utils.cpp_extension import include_paths
 
     cxx = shutil.which("c++") or shutil.which("g++")
@@ -95,8 +107,17 @@ def test_binding_compiles_against_torch_and_cuda_headers(kernel_object, tmp_path
     cmd += [f"-I{p}" for p in incs] + [f"-I{stub}", f"-I{cuda_inc}", f"-I{CUDA_DIR}", f"-I{CSRC}"]
     r = _run(cmd + [CUDA_DIR / "expert_cache_binding.cpp", "-o", obj])
     assert r.returncode == 0, f"binding failed to compile:\n{r.stderr[-4000:]}"
-    r = _run([cxx, "-c", "-fPIC", f"-I{sysconfig.get_paths()['include']}", CUDA_DIR / "python_module.cpp",
-              "-o", tmp_path / "module.o"])
+    r = _run(
+        [
+            cxx,
+            "-c",
+            "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}",
+            CUDA_DIR / "python_module.cpp",
+            "-o",
+            tmp_path / "module.o",
+        ]
+    )
     assert r.returncode == 0, f"python_module.cpp failed to compile:\n{r.stderr[-4000:]}"
     syms = _symbols(obj), _symbols(kernel_object)
     if None in syms:
@@ -119,13 +140,24 @@ def test_cpu_branch_binding_compiles_against_torch_and_cuda_headers(tmp_path):
         pytest.skip("nvcc or a C++ compiler not found")
     cuda_inc = _cuda_include(nvcc)
     incs = include_paths()
-    if cuda_inc is None or not any((Path(p) / "c10" / "cuda" / "CUDAStream.h").exists() for p in incs):
+    if cuda_inc is None or not any(
+        (Path(p) / "c10" / "cuda" / "CUDAStream.h").exists() for p in incs
+    ):
         pytest.skip("CUDA toolkit headers or torch's c10/cuda headers not found")
     stub = tmp_path / "stub"
     if not any((Path(p) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists() for p in incs):
         (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
         (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    cmd = [cxx, "-c", "-std=c++20", "-O0", "-fPIC", "-Wall", "-Werror", "-DTORCH_EXTENSION_NAME=_C_cuda"]
+    cmd = [
+        cxx,
+        "-c",
+        "-std=c++20",
+        "-O0",
+        "-fPIC",
+        "-Wall",
+        "-Werror",
+        "-DTORCH_EXTENSION_NAME=_C_cuda",
+    ]
     cmd += [f"-I{p}" for p in incs] + [f"-I{stub}", f"-I{cuda_inc}", f"-I{CUDA_DIR}", f"-I{CSRC}"]
     obj = tmp_path / "cpu_branch.o"
     r = _run(cmd + [CUDA_DIR / "cpu_branch_binding.cpp", "-o", obj])

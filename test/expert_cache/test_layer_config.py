@@ -14,16 +14,21 @@ from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
 def _context(monkeypatch, *, tp=1, ep=1, paged=False, **moe_flags):
     moe = SimpleNamespace(
-        enable_expert_cache=True, enable_paged_experts=paged, expert_cache_size="25%",
-        expert_cache_policy="qstar", **moe_flags,
+        enable_expert_cache=True,
+        enable_paged_experts=paged,
+        expert_cache_size="25%",
+        expert_cache_policy="qstar",
+        **moe_flags,
     )
     monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace(moe=moe))
     monkeypatch.setattr(
-        runtime_context, "get_parallel",
+        runtime_context,
+        "get_parallel",
         lambda: SimpleNamespace(tp_size=tp, ep_size=ep, pp_size=1, dp_size=1),
     )
     monkeypatch.setattr(
-        runtime_context, "process_model_config",
+        runtime_context,
+        "process_model_config",
         lambda: SimpleNamespace(
             hf_text_config=SimpleNamespace(num_experts_per_tok=8, num_hidden_layers=4)
         ),

@@ -12,6 +12,7 @@
   the new one; static_blind holds whole last layers;
 * the JSONL parser names the line of each malformed record; the script runs end to end.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,8 +32,22 @@ mr = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = mr  # dataclasses resolve annotations through sys.modules
 _spec.loader.exec_module(mr)
 
-TINY = ["--num-layers", "4", "--num-experts", "16", "--top-k", "2", "--requests", "3",
-        "--prefill-tokens", "8", "--decode-tokens", "12", "--topic-experts", "2"]
+TINY = [
+    "--num-layers",
+    "4",
+    "--num-experts",
+    "16",
+    "--top-k",
+    "2",
+    "--requests",
+    "3",
+    "--prefill-tokens",
+    "8",
+    "--decode-tokens",
+    "12",
+    "--topic-experts",
+    "2",
+]
 
 
 def trace_of(L: int, E: int, calls: list[tuple]) -> "mr.Trace":
@@ -41,14 +56,15 @@ def trace_of(L: int, E: int, calls: list[tuple]) -> "mr.Trace":
     for c in calls:
         step, layer, phase, experts = c[:4]
         counts = c[4] if len(c) > 4 else (1,) * len(experts)
-        out.append(mr.Call(step, layer, phase == "prefill", max(counts), tuple(experts),
-                           tuple(counts)))
+        out.append(
+            mr.Call(step, layer, phase == "prefill", max(counts), tuple(experts), tuple(counts))
+        )
     return mr.Trace(L, E, out)
 
 
 def call_gids(trace) -> list[list[int]]:
     o = trace.offsets
-    return [trace.gids[o[i]:o[i + 1]].tolist() for i in range(trace.num_calls)]
+    return [trace.gids[o[i] : o[i + 1]].tolist() for i in range(trace.num_calls)]
 
 
 def reference_lru(trace, slots: int, per_layer: bool) -> list[int]:
@@ -59,7 +75,7 @@ def reference_lru(trace, slots: int, per_layer: bool) -> list[int]:
     t, misses = 0, []
     for layer, gids in zip(trace.layer.tolist(), call_gids(trace)):
         if per_layer:
-            cap, mine = caps[layer], (lambda g: g // E == layer)
+            cap, mine = caps[layer], (lambda g, layer=layer: g // E == layer)
         else:
             cap, mine = slots, (lambda g: True)
         hits = [g for g in gids if g in last]
@@ -67,7 +83,7 @@ def reference_lru(trace, slots: int, per_layer: bool) -> list[int]:
         for g in hits:
             t += 1
             last[g] = t
-        for g in miss[:max(cap - len(hits), 0)]:
+        for g in miss[: max(cap - len(hits), 0)]:
             pool = [v for v in last if mine(v)]
             if len(pool) >= cap:
                 victims = [v for v in pool if v not in gids]
@@ -107,10 +123,16 @@ def test_lru_matches_reference(ts, per_layer):
 
 def test_call_larger_than_capacity_fills_only_free_and_evictable_slots():
     # 3 slots, a call of 5 misses: the 3 with most tokens are filled, the rest run unfilled
-    t = trace_of(1, 10, [(0, 0, "decode", [0, 1, 2, 3, 4], (1, 5, 4, 3, 2)),
-                         (1, 0, "decode", [1, 2, 3]),
-                         (2, 0, "decode", [0, 1]),
-                         (3, 0, "decode", [1, 2, 3])])
+    t = trace_of(
+        1,
+        10,
+        [
+            (0, 0, "decode", [0, 1, 2, 3, 4], (1, 5, 4, 3, 2)),
+            (1, 0, "decode", [1, 2, 3]),
+            (2, 0, "decode", [0, 1]),
+            (3, 0, "decode", [1, 2, 3]),
+        ],
+    )
     miss, miss_tok = mr.simulate_lru(t, 3)
     # step 2: 1 hits, 0 fills evicting the LRU of {1,2,3} = 2 (1 and 3 were touched later)
     assert miss.tolist() == [5, 0, 1, 1]
@@ -119,9 +141,18 @@ def test_call_larger_than_capacity_fills_only_free_and_evictable_slots():
 
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_full_capacity_lru_misses_only_first_touches(per_layer):
-    trace = mr.generate_synthetic(mr.SynthParams(
-        num_layers=3, num_experts=8, top_k=2, requests=3, prefill_tokens=5, decode_tokens=10,
-        topic_experts=2, seed=3))
+    trace = mr.generate_synthetic(
+        mr.SynthParams(
+            num_layers=3,
+            num_experts=8,
+            top_k=2,
+            requests=3,
+            prefill_tokens=5,
+            decode_tokens=10,
+            topic_experts=2,
+            seed=3,
+        )
+    )
     miss, _ = mr.simulate_lru(trace, trace.pool, per_layer=per_layer)
     seen, compulsory = set(), []
     for gids in call_gids(trace):
@@ -174,9 +205,19 @@ def test_shared_pool_smaller_than_one_token_working_set_misses_everything():
 
 
 def test_static_calibrated_on_stationary_trace_is_near_best_static():
-    p = mr.SynthParams(num_layers=4, num_experts=32, top_k=4, requests=6, prefill_tokens=32,
-                       decode_tokens=200, zipf=1.2, drift=0.0, topic_experts=0, persist=0.0,
-                       seed=1)
+    p = mr.SynthParams(
+        num_layers=4,
+        num_experts=32,
+        top_k=4,
+        requests=6,
+        prefill_tokens=32,
+        decode_tokens=200,
+        zipf=1.2,
+        drift=0.0,
+        topic_experts=0,
+        persist=0.0,
+        seed=1,
+    )
     t = mr.generate_synthetic(p)
     end = t.calib_end_step(0.5)
     S = mr.capacity_slots(t, 25)
@@ -185,9 +226,9 @@ def test_static_calibrated_on_stationary_trace_is_near_best_static():
     # best static placement in hindsight: the top S experts of the measured decode calls
     measured_dec = (t.step >= end) & ~t.prefill
     best = mr.top_slots(mr.token_counts(t, measured_dec), S)
-    r_best = mr.miss_rates(t, *mr.simulate_placements(t, best[None], np.zeros(t.num_calls,
-                                                                             dtype=int)),
-                           end).decode
+    r_best = mr.miss_rates(
+        t, *mr.simulate_placements(t, best[None], np.zeros(t.num_calls, dtype=int)), end
+    ).decode
     assert r_best <= r["static"] <= r_best + 0.03
     assert r["static"] < 0.6  # nothing cached: 1.0
     assert r["static"] < r["static_blind"] - 0.15  # routing-blind split misses ~75%
@@ -195,12 +236,18 @@ def test_static_calibrated_on_stationary_trace_is_near_best_static():
 
 
 def test_refresh_prefill_serves_prefill_with_previous_placement():
-    t = trace_of(1, 8, [(0, 0, "prefill", [1, 2, 3], (5, 4, 1)),
-                        (1, 0, "decode", [1, 2]),
-                        (2, 0, "decode", [3]),
-                        (3, 0, "prefill", [4, 5, 6], (1, 1, 9)),
-                        (4, 0, "decode", [6, 2]),
-                        (5, 0, "decode", [1])])
+    t = trace_of(
+        1,
+        8,
+        [
+            (0, 0, "prefill", [1, 2, 3], (5, 4, 1)),
+            (1, 0, "decode", [1, 2]),
+            (2, 0, "decode", [3]),
+            (3, 0, "prefill", [4, 5, 6], (1, 1, 9)),
+            (4, 0, "decode", [6, 2]),
+            (5, 0, "decode", [1]),
+        ],
+    )
     S = 2
     placements, version = mr.refresh_prefill_placements(t, S)
     assert version.tolist() == [0, 1, 1, 1, 2, 2]
@@ -241,44 +288,80 @@ def test_static_blind_is_last_whole_layers():
 
 def test_parser_reads_valid_trace(tmp_path):
     f = tmp_path / "t.jsonl"
-    rec = lambda step, layer, phase, ex, ct: json.dumps(dict(
-        step=step, layer=layer, phase=phase, tokens=max(ct), experts=ex, counts=ct,
-        num_experts=8, num_layers=2))
+
+    def rec(step, layer, phase, ex, ct):
+        return json.dumps(
+            dict(
+                step=step,
+                layer=layer,
+                phase=phase,
+                tokens=max(ct),
+                experts=ex,
+                counts=ct,
+                num_experts=8,
+                num_layers=2,
+            )
+        )
+
     # out of order on purpose: calls replay in (step, layer) order
-    f.write_text("\n".join([rec(1, 1, "decode", [0, 3], [1, 1]), rec(0, 0, "prefill",
-                 [1, 2, 5], [1, 4, 2]), "", rec(0, 1, "prefill", [7], [3]),
-                 rec(1, 0, "decode", [2, 6], [1, 1])]) + "\n")
+    f.write_text(
+        "\n".join(
+            [
+                rec(1, 1, "decode", [0, 3], [1, 1]),
+                rec(0, 0, "prefill", [1, 2, 5], [1, 4, 2]),
+                "",
+                rec(0, 1, "prefill", [7], [3]),
+                rec(1, 0, "decode", [2, 6], [1, 1]),
+            ]
+        )
+        + "\n"
+    )
     t = mr.parse_trace_jsonl(f)
     assert (t.num_layers, t.num_experts, t.num_calls) == (2, 8, 4)
     assert call_gids(t) == [[2, 5, 1], [15], [2, 6], [8, 11]]  # priority: tokens desc
     assert t.prefill.tolist() == [True, True, False, False]
 
 
-GOOD = dict(step=0, layer=0, phase="decode", tokens=1, experts=[1, 4], counts=[1, 1],
-            num_experts=8, num_layers=2)
+GOOD = dict(
+    step=0,
+    layer=0,
+    phase="decode",
+    tokens=1,
+    experts=[1, 4],
+    counts=[1, 1],
+    num_experts=8,
+    num_layers=2,
+)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("{not json", "not JSON"),
-    ("[1, 2]", "not a JSON object"),
-    (dict(GOOD, experts=None), "must be lists"),
-    ({k: v for k, v in GOOD.items() if k != "counts"}, "missing key 'counts'"),
-    (dict(GOOD, step=-1), "'step' must be a non-negative int"),
-    (dict(GOOD, layer="0"), "'layer' must be a non-negative int"),
-    (dict(GOOD, layer=2), "layer 2 out of range"),
-    (dict(GOOD, phase="extend"), "phase must be one of"),
-    (dict(GOOD, experts=[4, 1]), "distinct and sorted"),
-    (dict(GOOD, experts=[1, 1]), "distinct and sorted"),
-    (dict(GOOD, experts=[1, 8]), r"ints in \[0, 8\)"),
-    (dict(GOOD, experts=[], counts=[]), "'experts' is empty"),
-    (dict(GOOD, counts=[1]), "'experts' has 2 ids but 'counts' 1"),
-    (dict(GOOD, counts=[1, 0]), "'counts' must be ints >= 1"),
-    (dict(GOOD, num_experts=16), "differ from earlier lines"),
-    (dict(GOOD), r"duplicate \(step, layer\) = \(0, 0\), first on line 1"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        (dict(GOOD, experts=None), "must be lists"),
+        ({k: v for k, v in GOOD.items() if k != "counts"}, "missing key 'counts'"),
+        (dict(GOOD, step=-1), "'step' must be a non-negative int"),
+        (dict(GOOD, layer="0"), "'layer' must be a non-negative int"),
+        (dict(GOOD, layer=2), "layer 2 out of range"),
+        (dict(GOOD, phase="extend"), "phase must be one of"),
+        (dict(GOOD, experts=[4, 1]), "distinct and sorted"),
+        (dict(GOOD, experts=[1, 1]), "distinct and sorted"),
+        (dict(GOOD, experts=[1, 8]), r"ints in \[0, 8\)"),
+        (dict(GOOD, experts=[], counts=[]), "'experts' is empty"),
+        (dict(GOOD, counts=[1]), "'experts' has 2 ids but 'counts' 1"),
+        (dict(GOOD, counts=[1, 0]), "'counts' must be ints >= 1"),
+        (dict(GOOD, num_experts=16), "differ from earlier lines"),
+        (dict(GOOD), r"duplicate \(step, layer\) = \(0, 0\), first on line 1"),
+    ],
+)
 def test_parser_names_the_malformed_line(tmp_path, bad, message):
-    lines = [json.dumps(GOOD), json.dumps(dict(GOOD, layer=1, step=5)), "",
-             bad if isinstance(bad, str) else json.dumps(bad)]
+    lines = [
+        json.dumps(GOOD),
+        json.dumps(dict(GOOD, layer=1, step=5)),
+        "",
+        bad if isinstance(bad, str) else json.dumps(bad),
+    ]
     f = tmp_path / "bad.jsonl"
     f.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=rf"bad\.jsonl: line 4: .*{message}"):
@@ -304,17 +387,23 @@ REQUIRED = ("lru_c25", "static_c25", "refresh_c25", "lru_c50", "static_c50", "re
 
 
 def test_script_runs_end_to_end_on_tiny_synthetic_trace():
-    r = subprocess.run([sys.executable, str(SCRIPT), "--synthetic", *TINY,
-                        "--capacities", "10,100"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--synthetic", *TINY, "--capacities", "10,100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     pairs = last_line_pairs(r.stdout)
     assert pairs["source"] == "synthetic"
     for k in REQUIRED:
         assert 0.0 <= float(pairs[k]) <= 1.0, (k, pairs[k])
     # 25 and 50 are always simulated for the last line; rows in the table for each capacity
-    rows = [l.split()[0] for l in r.stdout.splitlines()
-            if l.strip() and l.split()[0].replace(".", "").isdigit()]
+    rows = [
+        l.split()[0]
+        for l in r.stdout.splitlines()
+        if l.strip() and l.split()[0].replace(".", "").isdigit()
+    ]
     assert rows[:4] == ["10", "25", "50", "100"]
     assert "seed=0" in r.stdout.splitlines()[0]
 
@@ -328,19 +417,38 @@ def test_script_is_deterministic_and_reads_a_trace(tmp_path):
     assert outs[0] == outs[1]
 
     # the same routing written as a recorded trace gives the same rates
-    t = mr.generate_synthetic(mr.SynthParams(num_layers=4, num_experts=16, top_k=2, requests=3,
-                                             prefill_tokens=8, decode_tokens=12,
-                                             topic_experts=2, seed=7))
+    t = mr.generate_synthetic(
+        mr.SynthParams(
+            num_layers=4,
+            num_experts=16,
+            top_k=2,
+            requests=3,
+            prefill_tokens=8,
+            decode_tokens=12,
+            topic_experts=2,
+            seed=7,
+        )
+    )
     f = tmp_path / "routing.jsonl"
     with open(f, "w") as fh:
         for i, gids in enumerate(call_gids(t)):
             o = t.offsets
-            ex_ct = sorted(zip((g % 16 for g in gids), t.counts[o[i]:o[i + 1]].tolist()))
-            fh.write(json.dumps(dict(
-                step=int(t.step[i]), layer=int(t.layer[i]),
-                phase="prefill" if t.prefill[i] else "decode", tokens=int(t.tokens[i]),
-                experts=[e for e, _ in ex_ct], counts=[c for _, c in ex_ct],
-                num_experts=16, num_layers=4)) + "\n")
+            ex_ct = sorted(zip((g % 16 for g in gids), t.counts[o[i] : o[i + 1]].tolist()))
+            fh.write(
+                json.dumps(
+                    dict(
+                        step=int(t.step[i]),
+                        layer=int(t.layer[i]),
+                        phase="prefill" if t.prefill[i] else "decode",
+                        tokens=int(t.tokens[i]),
+                        experts=[e for e, _ in ex_ct],
+                        counts=[c for _, c in ex_ct],
+                        num_experts=16,
+                        num_layers=4,
+                    )
+                )
+                + "\n"
+            )
     lines = []
     assert mr.main(["--trace", str(f)], out=lines.append) == 0
     got, want = last_line_pairs("\n".join(lines)), last_line_pairs("\n".join(outs[0]))

@@ -9,8 +9,6 @@ routing sequence over several MoE layers. Checked:
 * bad configurations fail with a clear error.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -62,9 +60,9 @@ def routing(steps: int, seed: int = 1):
     for step in range(steps):
         t = [1, 1, 2, 3, 7][step % 5]
         for layer in range(L):
-            ids = torch.stack(
-                [torch.multinomial(popularity, K, generator=g) for _ in range(t)]
-            ).to(torch.int32)
+            ids = torch.stack([torch.multinomial(popularity, K, generator=g) for _ in range(t)]).to(
+                torch.int32
+            )
             if step % 4 == 3:
                 ids[-1] = -1  # a padded token
             w = torch.rand(t, K, generator=g)
@@ -92,12 +90,16 @@ def reference(cache: ExpertSlotCache, layer, x, w, ids) -> torch.Tensor:
 # ("100%", "fill") first: every expert resident from the load-time placement, the reference.
 # Then every size from one layer's top-k to the whole pool under every miss policy, and auto
 # (on a CPU device: no slots, everything on the CPU).
-CONFIGS = [("100%", "fill")] + [
-    (size, policy)
-    for size in (str(K), "25%", "50%", "100%")
-    for policy in ("qstar", "fill", "cpu")
-    if (size, policy) != ("100%", "fill")
-] + [("auto", "qstar")]
+CONFIGS = (
+    [("100%", "fill")]
+    + [
+        (size, policy)
+        for size in (str(K), "25%", "50%", "100%")
+        for policy in ("qstar", "fill", "cpu")
+        if (size, policy) != ("100%", "fill")
+    ]
+    + [("auto", "qstar")]
+)
 
 
 def test_outputs_identical_across_sizes_and_policies():
@@ -198,8 +200,14 @@ def test_routing_trace_recorded(tmp_path):
         size=CacheSize.parse("25%"), fill_gbps=1.0, cpu_gbps=2.0, record_routing=str(path)
     )
     cache = ExpertSlotCache(
-        cfg, num_layers=L, num_experts=E, top_k=K, hidden_size=H,
-        intermediate_size=I, dtype=torch.bfloat16, device="cpu",
+        cfg,
+        num_layers=L,
+        num_experts=E,
+        top_k=K,
+        hidden_size=H,
+        intermediate_size=I,
+        dtype=torch.bfloat16,
+        device="cpu",
     )
     for layer in range(L):
         cache.register_layer(layer)
@@ -212,7 +220,7 @@ def test_routing_trace_recorded(tmp_path):
     cache.recorder.close()
     lines = [json.loads(s) for s in path.read_text().splitlines()]
     assert len(lines) == len(calls)
-    for rec, (layer, x, w, ids) in zip(lines, calls):
+    for rec, (layer, _x, _w, ids) in zip(lines, calls):
         assert rec["layer"] == layer and rec["tokens"] == ids.shape[0]
         assert rec["experts"] == sorted(set(ids[ids >= 0].tolist()))
         assert sum(rec["counts"]) == int((ids >= 0).sum())
@@ -251,7 +259,8 @@ def test_cuda_kernel_limits_are_checked_at_startup(monkeypatch):
     with pytest.raises(RuntimeError, match="rerun `make setup`"):
         check_cuda_support(E, 16, None)
     monkeypatch.setattr(
-        torch._C, "_dispatch_has_kernel_for_dispatch_key",
+        torch._C,
+        "_dispatch_has_kernel_for_dispatch_key",
         lambda op, key: key == "CUDA" or lookup(op, key),
     )
     assert check_cuda_support(E, 16, None) == 16

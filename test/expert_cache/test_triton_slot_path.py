@@ -25,8 +25,6 @@ def test_slot_experts_through_triton_fused_moe_add_up_with_the_cpu_branch():
         proc.stdout,
     )
     assert m, proc.stdout[-3000:]
-    calls, slot_entries, cpu_entries, max_err = (
-        int(m[1]), int(m[2]), int(m[3]), float(m[4])
-    )
+    calls, slot_entries, cpu_entries, max_err = (int(m[1]), int(m[2]), int(m[3]), float(m[4]))
     assert calls == 90 and slot_entries > 0 and cpu_entries > 0
     assert max_err < 2e-2

@@ -90,16 +90,24 @@ class Totals:
 
 
 def check_config(size: str, policy: str, totals: Totals) -> None:
+    from test_slot_cache import E, H, I, K, make_cache, reference, routing
+
     import sgl_kernel_fork  # noqa: F401  (torch.ops.sgl_kernel.*)
     from sglang.srt.layers.moe.expert_cache.cuda_branch import slot_experts
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
-    from test_slot_cache import E, H, I, K, make_cache, reference, routing
 
     cache = make_cache(size, policy)
     # What FusedMoE gives a Qwen3-MoE layer (inplace=True is upstream's default).
     runner_config = MoeRunnerConfig(
-        num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
-        top_k=K, params_dtype=torch.bfloat16, activation="silu", is_gated=True, inplace=True,
+        num_experts=E,
+        num_local_experts=E,
+        hidden_size=H,
+        intermediate_size_per_partition=I,
+        top_k=K,
+        params_dtype=torch.bfloat16,
+        activation="silu",
+        is_gated=True,
+        inplace=True,
     )
     for layer, x, w, ids in routing(steps=6, seed=3):
         routing_ = cache.route(layer, ids.contiguous())
@@ -133,8 +141,13 @@ def check_config(size: str, policy: str, totals: Totals) -> None:
 def main() -> None:
     _tp = _cpu_stand_ins()
     totals = Totals()
-    for size, policy in [("100%", "fill"), ("4", "qstar"), ("25%", "qstar"), ("25%", "cpu"),
-                         ("50%", "fill")]:
+    for size, policy in [
+        ("100%", "fill"),
+        ("4", "qstar"),
+        ("25%", "qstar"),
+        ("25%", "cpu"),
+        ("50%", "fill"),
+    ]:
         check_config(size, policy, totals)
     assert totals.slot_entries > 0 and totals.cpu_entries > 0
     print(

@@ -5,6 +5,7 @@ queue showing up in the exported patch, a new commit's number and name, a patch 
 apply being named by import and by check, a hand-edited patch failing check, the header that
 export writes, ``apply`` with patch(1), and ``rebase`` onto a new wheel.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,11 @@ UPSTREAM = {
     "sglang/srt/server.py": "".join(f"line {i}\n" for i in range(1, 31)),
     "sglang/srt/util.py": "def helper():\n    return 1\n",
 }
-AUTHOR = {"GIT_AUTHOR_NAME": "Dev", "GIT_AUTHOR_EMAIL": "dev@example.com",
-          "GIT_AUTHOR_DATE": "2026-11-30T10:00:00+0000"}
+AUTHOR = {
+    "GIT_AUTHOR_NAME": "Dev",
+    "GIT_AUTHOR_EMAIL": "dev@example.com",
+    "GIT_AUTHOR_DATE": "2026-11-30T10:00:00+0000",
+}
 
 
 def make_wheel(path: Path, files: dict[str, str]) -> Path:
@@ -47,13 +51,25 @@ def pq(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def git_env() -> dict:
-    return {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_COMMITTER_NAME": "Dev", "GIT_COMMITTER_EMAIL": "dev@example.com", **AUTHOR}
+    return {
+        **os.environ,
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_COMMITTER_NAME": "Dev",
+        "GIT_COMMITTER_EMAIL": "dev@example.com",
+        **AUTHOR,
+    }
 
 
 def git(repo: Path, *args: str, env: dict | None = None, input: str | None = None) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
-                          check=True, env={**git_env(), **(env or {})}, input=input).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**git_env(), **(env or {})},
+        input=input,
+    ).stdout
 
 
 def commit(repo: Path, message: str, *args: str) -> None:
@@ -80,12 +96,18 @@ def world(tmp_path: Path):
     queue = tmp_path / "queue"
     pq("import", "--wheel", str(wheel), "--dir", str(queue), "--patches", str(patches))
     edit(queue / "sglang/srt/server.py", "line 3\n", "line three\n")
-    commit(queue, "Name line three in words\n\nWhat: line 3 reads three.\n\n"
-                  'Upstream: not filed (would become "Words"); drop when upstream says three\n'
-                  "Patch: 0001-line-three\n")
+    commit(
+        queue,
+        "Name line three in words\n\nWhat: line 3 reads three.\n\n"
+        'Upstream: not filed (would become "Words"); drop when upstream says three\n'
+        "Patch: 0001-line-three\n",
+    )
     edit(queue / "sglang/srt/util.py", "return 1", "return 2")
-    commit(queue, "Helper returns two\n\nWhy: two is better.\n\n"
-                  "Upstream: https://github.com/sgl-project/sglang/pull/1\nPatch: 0005\n")
+    commit(
+        queue,
+        "Helper returns two\n\nWhy: two is better.\n\n"
+        "Upstream: https://github.com/sgl-project/sglang/pull/1\nPatch: 0005\n",
+    )
     pq("export", "--dir", str(queue), "--patches", str(patches))
     shutil.rmtree(queue)
     return tmp_path, wheel, patches
@@ -98,7 +120,9 @@ def snapshot(patches: Path) -> dict[str, bytes]:
 def test_export_writes_format_patch_files_and_series(world):
     _, _, patches = world
     assert (patches / "series").read_text().splitlines()[-2:] == [
-        "0001-line-three.patch", "0005-helper-returns-two.patch"]
+        "0001-line-three.patch",
+        "0005-helper-returns-two.patch",
+    ]
     text = (patches / "0001-line-three.patch").read_text()
     head, _, diff = text.partition("\n---\n")
     assert head.splitlines()[:4] == [
@@ -135,8 +159,15 @@ def test_edit_in_queue_shows_up_in_exported_patch(world):
     assert res.returncode != 0 and "uncommitted changes" in res.stderr
     (queue / "sglang/srt/new_module.py").write_text("x = 1\n")  # never added: warned about
     commit(queue, "", f"--fixup={first}")
-    git(queue, "rebase", "-q", "-i", "--autosquash", "upstream-0.0.1",
-        env={"GIT_SEQUENCE_EDITOR": "true"})
+    git(
+        queue,
+        "rebase",
+        "-q",
+        "-i",
+        "--autosquash",
+        "upstream-0.0.1",
+        env={"GIT_SEQUENCE_EDITOR": "true"},
+    )
     res = pq("export", "--dir", str(queue), "--patches", str(patches))
     assert res.stdout.split() == ["updated", "0001-line-three.patch"]
     assert "untracked files" in res.stderr and "sglang/srt/new_module.py" in res.stderr
@@ -151,8 +182,11 @@ def test_new_commit_gets_next_number_and_its_trailer(world):
     queue = tmp / "q"
     pq("import", "--wheel", str(wheel), "--dir", str(queue), "--patches", str(patches))
     edit(queue / "sglang/srt/server.py", "line 30\n", "line 30\nline 31\n")
-    commit(queue, "Add line 31 (the last)\n\nWhat: one more line.\n\n"
-                  'Upstream: not filed (would become "More"); drop when upstream has 31 lines\n')
+    commit(
+        queue,
+        "Add line 31 (the last)\n\nWhat: one more line.\n\n"
+        'Upstream: not filed (would become "More"); drop when upstream has 31 lines\n',
+    )
     pq("export", "--dir", str(queue), "--patches", str(patches))
     new = patches / "0006-add-line-31-the-last.patch"
     assert new.is_file()
@@ -175,10 +209,20 @@ def test_commit_without_upstream_trailer_is_refused(world):
 def test_patch_that_does_not_apply_is_named(world):
     tmp, _, patches = world
     # Upstream moved: the line patch 0005 changes is gone.
-    other = make_wheel(tmp / "sglang-0.0.2-py3-none-any.whl",
-                       {**UPSTREAM, "sglang/srt/util.py": "def helper():\n    return 10\n"})
-    res = pq("import", "--wheel", str(other), "--dir", str(tmp / "q"), "--patches", str(patches),
-             check=False)
+    other = make_wheel(
+        tmp / "sglang-0.0.2-py3-none-any.whl",
+        {**UPSTREAM, "sglang/srt/util.py": "def helper():\n    return 10\n"},
+    )
+    res = pq(
+        "import",
+        "--wheel",
+        str(other),
+        "--dir",
+        str(tmp / "q"),
+        "--patches",
+        str(patches),
+        check=False,
+    )
     assert res.returncode != 0
     assert "import stopped at 0005-helper-returns-two.patch" in res.stderr
     assert "git am --continue" in res.stderr
@@ -215,8 +259,11 @@ def test_exported_patches_apply_with_patch_p1(world):
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
     for name in ("0001-line-three.patch", "0005-helper-returns-two.patch"):
-        subprocess.run(["patch", "-p1", "--batch", "-d", str(site), "-i", str(patches / name)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["patch", "-p1", "--batch", "-d", str(site), "-i", str(patches / name)],
+            check=True,
+            capture_output=True,
+        )
     assert "line three\n" in (site / "sglang/srt/server.py").read_text()
     assert "return 2" in (site / "sglang/srt/util.py").read_text()
 
@@ -240,8 +287,10 @@ def test_rebase_stops_at_conflicting_patch(world):
     tmp, wheel, patches = world
     queue = tmp / "q"
     pq("import", "--wheel", str(wheel), "--dir", str(queue), "--patches", str(patches))
-    bumped = {**UPSTREAM, "sglang/srt/server.py": UPSTREAM["sglang/srt/server.py"].replace(
-        "line 3\n", "line III\n")}
+    bumped = {
+        **UPSTREAM,
+        "sglang/srt/server.py": UPSTREAM["sglang/srt/server.py"].replace("line 3\n", "line III\n"),
+    }
     new = make_wheel(tmp / "sglang-0.0.2-py3-none-any.whl", bumped)
     res = pq("rebase", "--wheel", str(new), "--dir", str(queue), check=False)
     assert res.returncode != 0 and "git rebase --continue" in res.stderr
@@ -261,7 +310,10 @@ def test_new_commit_between_taken_numbers_needs_a_trailer(world):
     git(queue, "rebase", "-q", "-i", "upstream-0.0.1", env={"GIT_SEQUENCE_EDITOR": swap_2_3})
     pq("export", "--dir", str(queue), "--patches", str(patches))
     assert (patches / "series").read_text().splitlines()[-3:] == [
-        "0001-line-three.patch", "0002-set-x.patch", "0005-helper-returns-two.patch"]
+        "0001-line-three.patch",
+        "0002-set-x.patch",
+        "0005-helper-returns-two.patch",
+    ]
     # Moved before 0001 (and its trailer dropped), it has no number to take.
     git(queue, "reset", "-q", "--hard", "HEAD~2")  # back to 0001 alone
     edit(queue / "sglang/__init__.py", "", "y = 1\n")
@@ -276,9 +328,15 @@ def test_new_commit_between_taken_numbers_needs_a_trailer(world):
 def test_patch_needing_fuzz_fails_check_round_trip(world):
     tmp, _, patches = world
     # A context line of patch 0001 changed upstream: patch(1) applies it with fuzz, git am not.
-    other = make_wheel(tmp / "sglang-0.0.2-py3-none-any.whl", {
-        **UPSTREAM, "sglang/srt/server.py": UPSTREAM["sglang/srt/server.py"].replace(
-            "line 6\n", "line six\n")})
+    other = make_wheel(
+        tmp / "sglang-0.0.2-py3-none-any.whl",
+        {
+            **UPSTREAM,
+            "sglang/srt/server.py": UPSTREAM["sglang/srt/server.py"].replace(
+                "line 6\n", "line six\n"
+            ),
+        },
+    )
     res = pq("check", "--wheel", str(other), "--patches", str(patches), check=False)
     assert res.returncode != 0
     assert "ok   0001-line-three.patch (applies with offset/fuzz" in res.stdout

@@ -11,6 +11,7 @@ or in the tests themselves (plain Python loops).
 import pytest
 import torch
 
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

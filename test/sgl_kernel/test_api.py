@@ -80,7 +80,9 @@ def test_no_amx_backend_marker():
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
 def test_speculative_stubs_raise(name):
-    with pytest.raises(RuntimeError, match="speculative decoding on CPU needs upstream's sgl-kernel CPU build"):
+    with pytest.raises(
+        RuntimeError, match="speculative decoding on CPU needs upstream's sgl-kernel CPU build"
+    ):
         getattr(sgl_kernel, name)(torch.zeros(1))
 
 
@@ -107,21 +109,48 @@ def test_chunk_options():
     idx = torch.tensor([1], dtype=torch.int32)
     cu = torch.tensor([0, T], dtype=torch.int32)
     o1, st1, h1 = sgl_kernel.mamba.chunk_gated_delta_rule_cpu(
-        q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-        initial_state_indices=idx, inplace_update=False, output_final_state=True, output_chunk_states=False,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=pool,
+        cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True,
+        initial_state_indices=idx,
+        inplace_update=False,
+        output_final_state=True,
+        output_chunk_states=False,
     )
     assert torch.equal(pool, pool0) and h1 is None and st1.shape == (1, HV, V, K)
     o2, _, _ = sgl_kernel.mamba.chunk_gated_delta_rule_cpu(
-        q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-        initial_state_indices=idx, scale=2 * K**-0.5,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=pool,
+        cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True,
+        initial_state_indices=idx,
+        scale=2 * K**-0.5,
     )
     torch.testing.assert_close(pool[1], st1[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(o2, 2 * o1, atol=1e-5, rtol=1e-5)  # o is linear in the query scale
     with pytest.raises(RuntimeError, match="head_first"):
-        sgl_kernel.mamba.chunk_gated_delta_rule_cpu(q, k, v, g, beta, cu_seqlens=cu, head_first=True)
+        sgl_kernel.mamba.chunk_gated_delta_rule_cpu(
+            q, k, v, g, beta, cu_seqlens=cu, head_first=True
+        )
     with pytest.raises(RuntimeError, match="out of range"):
         sgl_kernel.mamba.chunk_gated_delta_rule_cpu(
-            q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, initial_state_indices=torch.tensor([7])
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=pool,
+            cu_seqlens=cu,
+            initial_state_indices=torch.tensor([7]),
         )
 
 

@@ -96,9 +96,15 @@ def test_causal_conv1d_fn_pad_slot(isa):
     states = torch.randn(3, dim, W - 1)
     states0 = states.clone()
     out = causal_conv1d_fn_cpu(
-        mixed.transpose(0, 1), weight, None, activation="silu", conv_states=states,
-        has_initial_state=torch.tensor([True, True]), cache_indices=torch.tensor([-1, 2], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32), seq_lens_cpu=[2, 3],
+        mixed.transpose(0, 1),
+        weight,
+        None,
+        activation="silu",
+        conv_states=states,
+        has_initial_state=torch.tensor([True, True]),
+        cache_indices=torch.tensor([-1, 2], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
+        seq_lens_cpu=[2, 3],
     ).transpose(0, 1)
     assert torch.equal(out[:2], torch.zeros(2, dim))  # padded sequence: zeros, no state write
     o_ref, st_ref = ref_seq(mixed[2:].t(), states0[2], weight, None, True)
@@ -142,5 +148,12 @@ def test_causal_conv1d_update(isa, dim, W, seqlen, dtype, layout):
 def test_update_rejects_speculative_arguments():
     x, st, w = torch.randn(1, 8), torch.randn(1, 8, 3), torch.randn(8, 4)
     with pytest.raises(RuntimeError, match="speculative decoding on CPU"):
-        causal_conv1d_update_cpu(x, st, w, None, "silu", conv_state_indices=None,
-                                 intermediate_conv_window=torch.zeros(1, 1, 8, 3))
+        causal_conv1d_update_cpu(
+            x,
+            st,
+            w,
+            None,
+            "silu",
+            conv_state_indices=None,
+            intermediate_conv_window=torch.zeros(1, 1, 8, 3),
+        )

@@ -32,7 +32,9 @@ def test_rmsnorm_gated(isa, n, dtype):
     assert out.shape == x.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), expect, **tol(dtype))
     # 3-D input (tokens, heads, head_dim) as upstream's layernorm_gated passes it
-    out3 = torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu(x.view(rows, 1, n), weight, z.view(rows, 1, n), eps)
+    out3 = torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu(
+        x.view(rows, 1, n), weight, z.view(rows, 1, n), eps
+    )
     assert torch.equal(out3.view(rows, n), out)
     # no gate
     out_ng = torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu(x, weight, None, eps)
@@ -50,7 +52,7 @@ def test_sigmoid_mul(isa, dtype):
     # flat path: same shapes
     x = torch.randn(T, heads * D).to(dtype)
     gate = torch.randn(T, heads * D).to(dtype)
-    expect = (x.float() * torch.sigmoid(gate.float()))
+    expect = x.float() * torch.sigmoid(gate.float())
     y = x.clone()
     torch.ops.sgl_kernel.fused_sigmoid_mul_cpu(y, gate)
     torch.testing.assert_close(y.float(), expect, **tol(dtype))

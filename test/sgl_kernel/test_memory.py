@@ -28,7 +28,12 @@ def test_assign_req_to_token_pool_bounds_checked():
     req_to_token = torch.zeros(2, 4, dtype=torch.int32)
     try:
         sgl_kernel.assign_req_to_token_pool_cpu(
-            torch.tensor([0]), req_to_token, torch.tensor([2]), torch.tensor([6]), torch.arange(4), 4
+            torch.tensor([0]),
+            req_to_token,
+            torch.tensor([2]),
+            torch.tensor([6]),
+            torch.arange(4),
+            4,
         )
     except RuntimeError as e:
         assert "pool_len" in str(e)

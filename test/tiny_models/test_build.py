@@ -31,7 +31,9 @@ def test_two_builds_byte_identical(tm, next_dir, tmp_path):
 
 def test_seed_changes_weights_only(tm, next_dir, tmp_path):
     other = tm.build("qwen3_next", tmp_path / "seed1", seed=1)
-    assert not filecmp.cmp(next_dir / "model.safetensors", other / "model.safetensors", shallow=False)
+    assert not filecmp.cmp(
+        next_dir / "model.safetensors", other / "model.safetensors", shallow=False
+    )
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert filecmp.cmp(next_dir / name, other / name, shallow=False), name
 

@@ -79,7 +79,10 @@ def test_tools_listed_in_system_turn(render):
     assert system_turn.startswith("<|im_start|>system\nSYS\n\n# Tools\n")
     lines = system_turn.split("<tools>\n")[1].split("\n</tools>")[0].split("\n")
     assert [json.loads(line) for line in lines] == TOOLS
-    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in system_turn
+    assert (
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        in system_turn
+    )
     assert out.count("<|im_start|>system") == 1
     # without a system message the tool block is still a system turn
     out = render([{"role": "user", "content": "go"}], tools=TOOLS)
@@ -93,11 +96,18 @@ def test_assistant_tool_calls_and_grouped_tool_results(render):
         {
             "role": "assistant",
             "content": "Checking.",
-            "tool_calls": [call("read", {"path": "a.txt"}), call("bash", {"command": "ls"}, cid="c2")],
+            "tool_calls": [
+                call("read", {"path": "a.txt"}),
+                call("bash", {"command": "ls"}, cid="c2"),
+            ],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "AAA"},
         {"role": "tool", "tool_call_id": "c2", "content": "a.txt\nb.txt"},
-        {"role": "assistant", "content": "", "tool_calls": [call("read", {"path": "b.txt"}, cid="c3")]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [call("read", {"path": "b.txt"}, cid="c3")],
+        },
         {"role": "tool", "tool_call_id": "c3", "content": "BBB"},
     ]
     out = render(msgs, tools=TOOLS, add_generation_prompt=True)
@@ -117,7 +127,13 @@ def test_assistant_tool_calls_and_grouped_tool_results(render):
     )
     # arguments given as a JSON string (raw OpenAI format) render the same
     as_str = [dict(m) for m in msgs]
-    as_str[1] = dict(msgs[1], tool_calls=[call("read", {"path": "a.txt"}, True), call("bash", {"command": "ls"}, True, "c2")])
+    as_str[1] = dict(
+        msgs[1],
+        tool_calls=[
+            call("read", {"path": "a.txt"}, True),
+            call("bash", {"command": "ls"}, True, "c2"),
+        ],
+    )
     as_str[4] = dict(msgs[4], tool_calls=[call("read", {"path": "b.txt"}, True, "c3")])
     assert render(as_str, tools=TOOLS, add_generation_prompt=True) == out
 
@@ -127,7 +143,12 @@ def test_reasoning_dropped_before_last_user_query(render):
         {"role": "user", "content": "q1"},
         {"role": "assistant", "content": "a1", "reasoning_content": "R1"},
         {"role": "user", "content": "q2"},
-        {"role": "assistant", "content": "", "reasoning_content": "R2", "tool_calls": [call("bash", {"command": "ls"})]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "R2",
+            "tool_calls": [call("bash", {"command": "ls"})],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "out"},
         {"role": "assistant", "content": "a2", "reasoning_content": "\nR3\n"},
     ]
@@ -135,12 +156,12 @@ def test_reasoning_dropped_before_last_user_query(render):
     assert "R1" not in out
     assert "<|im_start|>assistant\na1<|im_end|>" in out
     # turns after the last user query keep their reasoning (tool results do not count as a query)
-    assert (
-        '<|im_start|>assistant\n<think>\nR2\n</think>\n\n<tool_call>\n{"name": "bash"' in out
-    )
+    assert '<|im_start|>assistant\n<think>\nR2\n</think>\n\n<tool_call>\n{"name": "bash"' in out
     assert out.endswith("<|im_start|>assistant\n<think>\nR3\n</think>\n\na2<|im_end|>\n")
     # a new user query drops all of it
-    out2 = render(msgs + [{"role": "user", "content": "q3"}], tools=TOOLS, add_generation_prompt=True)
+    out2 = render(
+        msgs + [{"role": "user", "content": "q3"}], tools=TOOLS, add_generation_prompt=True
+    )
     assert "<think>" not in out2 and "R2" not in out2 and "R3" not in out2
     # the rendered prefix before the dropped reasoning is unchanged (prefix-cache friendly)
     cut = out.index("<|im_start|>assistant\n<think>\nR2")

@@ -18,8 +18,13 @@ def test_transformers_load_and_forward(arch, next_dir, moe_dir):
     model, info = AutoModelForCausalLM.from_pretrained(
         d, dtype=torch.float32, output_loading_info=True
     )
-    assert type(model).__name__ == {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
-    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert (
+        type(model).__name__
+        == {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
+    )
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
+        info
+    )
     model.eval()
     if arch == "qwen3_next":
         assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]

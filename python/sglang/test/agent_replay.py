@@ -28,6 +28,7 @@ request of its session (capped at its length minus one: a server recomputes at l
 prompt token). Summed over requests and compared with the cached tokens the server reported, it
 tells how much reusable work the prefix cache missed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,7 +38,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
 import requests
@@ -54,12 +55,29 @@ INPUT_IDS_HEADER = "x-sglext-return-input-ids"
 
 _BODY_NAME = re.compile(r"^(\d+)\.json$")
 _SKIP_HEADERS = {
-    "host", "content-length", "connection", "keep-alive", "accept-encoding", "transfer-encoding",
-    "te", "upgrade", "authorization", "x-api-key", "proxy-authorization", "cookie", "content-type",
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "accept-encoding",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "authorization",
+    "x-api-key",
+    "proxy-authorization",
+    "cookie",
+    "content-type",
 }
 # Top-level fields that only the Anthropic Messages API uses.
-_ANTHROPIC_FIELDS = ("system", "stop_sequences", "anthropic_version", "thinking", "output_config",
-                     "context_management")
+_ANTHROPIC_FIELDS = (
+    "system",
+    "stop_sequences",
+    "anthropic_version",
+    "thinking",
+    "output_config",
+    "context_management",
+)
 _ANTHROPIC_BLOCKS = {"tool_use", "tool_result", "thinking", "redacted_thinking"}
 
 
@@ -443,7 +461,9 @@ def check_anthropic_stream(events: list[SSEEvent]) -> StreamCheck:
             open_blocks.discard(obj.get("index"))
         elif typ == "message_delta":
             if open_blocks:
-                check.problems.append(f"message_delta with content blocks open: {sorted(open_blocks)}")
+                check.problems.append(
+                    f"message_delta with content blocks open: {sorted(open_blocks)}"
+                )
             if isinstance(obj.get("usage"), dict):
                 delta_usage = obj["usage"]
                 check.has_usage = True
@@ -485,8 +505,10 @@ def check_json_reply(fmt: str, obj: Any, t: float) -> StreamCheck:
     if fmt == ANTHROPIC:
         cached = usage.get("cache_read_input_tokens") or 0
         check.cached_tokens = cached
-        check.prompt_tokens = (usage.get("input_tokens") or 0) + cached + (
-            usage.get("cache_creation_input_tokens") or 0
+        check.prompt_tokens = (
+            (usage.get("input_tokens") or 0)
+            + cached
+            + (usage.get("cache_creation_input_tokens") or 0)
         )
         check.completion_tokens = usage.get("output_tokens")
         check.finish_reason = obj.get("stop_reason")
@@ -601,9 +623,13 @@ class AnthropicPromptIds:
                 model_type=chat.reasoning_parser, stream_reasoning=True, tokenizer=tok
             ).detector
         for name in (
-            "_resolve_chat_encoding_spec", "_resolve_inline_system_support",
-            "_chat_template_reads_reasoning_content", "supports_native_reasoning_history",
-            "wrap_reasoning_history", "apply_reasoning_enabled", "_reasoning_default_mode",
+            "_resolve_chat_encoding_spec",
+            "_resolve_inline_system_support",
+            "_chat_template_reads_reasoning_content",
+            "supports_native_reasoning_history",
+            "wrap_reasoning_history",
+            "apply_reasoning_enabled",
+            "_reasoning_default_mode",
             "_get_reasoning_toggle_param",
         ):
             setattr(chat, name, getattr(OpenAIServingChat, name).__get__(chat))
@@ -708,8 +734,13 @@ def replay_request(
     data = json.dumps(body, ensure_ascii=False).encode("utf-8")
     t0 = time.perf_counter()
     try:
-        resp = http.post(url.rstrip("/") + capture.path, data=data, headers=headers,
-                         stream=stream, timeout=(30, timeout_s))
+        resp = http.post(
+            url.rstrip("/") + capture.path,
+            data=data,
+            headers=headers,
+            stream=stream,
+            timeout=(30, timeout_s),
+        )
     except requests.RequestException as e:
         check = StreamCheck(capture.fmt, problems=[f"request failed: {e}"])
         return RequestResult(capture, 0, time.perf_counter() - t0, check)
@@ -833,7 +864,9 @@ def replay_session(
     for cap in session.captures:
         res = replay_request(url, cap, max_new_tokens, timeout_s, http, anthropic_ids)
         results.append(res)
-        res.reusable_tokens = reusable_prefix_len(res.prompt_ids, [r.prompt_ids for r in results[:-1]])
+        res.reusable_tokens = reusable_prefix_len(
+            res.prompt_ids, [r.prompt_ids for r in results[:-1]]
+        )
         if on_result:
             on_result(res)
     http.close()

@@ -13,6 +13,7 @@ Usage (server started with ``--enable-custom-logit-processor``)::
 Output token ``k`` is ``script[k]`` while ``k < len(script)``; after that the model's logits
 are left as they are.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
@@ -30,8 +31,9 @@ class ScriptedTokens(CustomLogitProcessor):
     scripted row set to -inf except 0 at the scripted id. Rows without a script are unchanged.
     """
 
-    def __call__(self, logits: torch.Tensor,
-                 custom_param_list: Optional[List[Dict[str, Any]]] = None) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, custom_param_list: Optional[List[Dict[str, Any]]] = None
+    ) -> torch.Tensor:
         for row, params in enumerate(custom_param_list or []):
             if not params or not params.get("script") or params.get("__req__") is None:
                 continue

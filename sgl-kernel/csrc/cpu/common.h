@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "isa/kernel_args.h"
 #include "isa/cpu_executor_args.h"
+#include "isa/kernel_args.h"
 
 namespace sglk {
 

@@ -64,7 +64,7 @@ struct ConvSeq {
   int64_t len;
   int64_t slot;  // -1: no state
   bool load_state;
-  bool skip;     // padded entry: output zeros, state untouched
+  bool skip;  // padded entry: output zeros, state untouched
 };
 
 void run_conv(const std::vector<ConvSeq>& seqs, const ConvWeights& w, int64_t dim, DT xdt, bool silu,
@@ -117,8 +117,8 @@ void run_conv(const std::vector<ConvSeq>& seqs, const ConvWeights& w, int64_t di
 // Prefill. x: (dim, total_tokens) varlen batch (channel-last view of a
 // (total_tokens, dim) tensor, like upstream) or (batch, dim, seqlen).
 // Returns a tensor of x's shape whose memory is token-major (channel-last).
-at::Tensor causal_conv1d_fwd_cpu(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                 const c10::optional<at::Tensor>& conv_states,
+at::Tensor causal_conv1d_fwd_cpu(const at::Tensor& x_in, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& conv_states,
                                  const c10::optional<at::Tensor>& query_start_loc,
                                  const c10::optional<at::Tensor>& cache_indices,
                                  const c10::optional<at::Tensor>& has_initial_state, bool silu_activation,
@@ -139,8 +139,8 @@ at::Tensor causal_conv1d_fwd_cpu(const at::Tensor& x_in, const at::Tensor& weigh
     states = &*conv_states;
   }
 
-  at::Tensor out = batched ? at::empty({Bx, L, dim}, x_in.options()).transpose(1, 2)
-                           : at::empty({L, dim}, x_in.options()).t();
+  at::Tensor out =
+      batched ? at::empty({Bx, L, dim}, x_in.options()).transpose(1, 2) : at::empty({L, dim}, x_in.options()).t();
 
   // sequences
   std::vector<int64_t> starts;
@@ -187,8 +187,8 @@ at::Tensor causal_conv1d_fwd_cpu(const at::Tensor& x_in, const at::Tensor& weigh
       if (slot == pad_slot_id) {
         s.skip = true;
       } else {
-        TORCH_CHECK(0 <= slot && slot < states->size(0), "cache index ", slot, " out of range for ",
-                    states->size(0), " conv state slots");
+        TORCH_CHECK(0 <= slot && slot < states->size(0), "cache index ", slot, " out of range for ", states->size(0),
+                    " conv state slots");
         s.slot = slot;
         s.load_state = has_init.empty() ? false : has_init[i] != 0;
       }

@@ -23,9 +23,8 @@
 // any chunking of tokens (for one ISA level).
 //
 // Work partition, per chunk of tokens (chunks bound the scratch to
-// SGLANG_CPU_EXPERT_SCRATCH_MB, default 64 MB; a decode step is one chunk): the valid (t,k) entries are grouped per expert
-// (set, row), and three kinds of work items are handed out in this order from
-// one atomic counter:
+// SGLANG_CPU_EXPERT_SCRATCH_MB, default 64 MB; a decode step is one chunk): the valid (t,k) entries are grouped per
+// expert (set, row), and three kinds of work items are handed out in this order from one atomic counter:
 //   1. (expert, block of intermediate indices [j0,j1)): gate rows j0..j1 and
 //      up rows I+j0..I+j1 of w13 (item_bytes(): ~512 KB of weights, less with many
 //      threads), dotted with every token of the expert, then h for those indices;
@@ -130,7 +129,7 @@ struct MoeCall {
   std::vector<int32_t> set_of;  // [T*K]: set of entry t*K+k, or -1
   std::vector<int32_t> row_of;  // [T*K]: row in that set
   std::shared_ptr<char> scratch;
-  float* Y = nullptr;         // [chunk tokens * K, H]: per-(t,k) expert outputs
+  float* Y = nullptr;        // [chunk tokens * K, H]: per-(t,k) expert outputs
   uint16_t* hbuf = nullptr;  // [chunk tokens * K, I]: h (bf16) per grouped entry
 };
 
@@ -200,8 +199,8 @@ class MoeChunkJob final : public ItemJob {
       if (p == 0 || keys[p].set != keys[p - 1].set || keys[p].row != keys[p - 1].row) {
         const int64_t s = keys[p].set, r = keys[p].row;
         experts_.push_back({reinterpret_cast<const uint16_t*>(c.w13[s].data_ptr()) + r * 2 * I * H,
-                            reinterpret_cast<const uint16_t*>(c.w2[s].data_ptr()) + r * H * I,
-                            static_cast<int32_t>(p), 0});
+                            reinterpret_cast<const uint16_t*>(c.w2[s].data_ptr()) + r * H * I, static_cast<int32_t>(p),
+                            0});
       }
       experts_.back().count++;
       xp_[p] = x + (e / K) * H;
@@ -219,13 +218,15 @@ class MoeChunkJob final : public ItemJob {
       p1_done_[e].store(0, std::memory_order_relaxed);
       p1_total_[e] = 0;
       for (int64_t j = 0; j < I; j += J) {
-        items_.push_back({1, static_cast<int32_t>(e), static_cast<int32_t>(j), static_cast<int32_t>(std::min(I, j + J))});
+        items_.push_back(
+            {1, static_cast<int32_t>(e), static_cast<int32_t>(j), static_cast<int32_t>(std::min(I, j + J))});
         p1_total_[e]++;
       }
     }
     for (int64_t e = 0; e < ne; ++e)
       for (int64_t r = 0; r < H; r += R2) {
-        items_.push_back({2, static_cast<int32_t>(e), static_cast<int32_t>(r), static_cast<int32_t>(std::min(H, r + R2))});
+        items_.push_back(
+            {2, static_cast<int32_t>(e), static_cast<int32_t>(r), static_cast<int32_t>(std::min(H, r + R2))});
         p2_total_++;
       }
     for (int64_t t = t0_; t < t1_; ++t)
@@ -335,10 +336,10 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   MOE_CHECK(S >= 1 && w13.size() == S && w2.size() == S,
             "expert_rows, w13 and w2 must be lists of the same length >= 1 (one entry per bank set), got lengths ",
             expert_rows.size(), ", ", w13.size(), ", ", w2.size());
-  MOE_CHECK(hidden.device().is_cpu() && hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
-                hidden.is_contiguous(),
-            "hidden must be a contiguous 2-D [T, H] bfloat16 CPU tensor, got ", hidden.scalar_type(), " ",
-            hidden.sizes(), hidden.is_contiguous() ? "" : " (not contiguous)", " on ", hidden.device());
+  MOE_CHECK(
+      hidden.device().is_cpu() && hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous(),
+      "hidden must be a contiguous 2-D [T, H] bfloat16 CPU tensor, got ", hidden.scalar_type(), " ", hidden.sizes(),
+      hidden.is_contiguous() ? "" : " (not contiguous)", " on ", hidden.device());
   const int64_t T = hidden.size(0), H = hidden.size(1);
   MOE_CHECK(topk_weights.device().is_cpu() && topk_weights.dim() == 2 && topk_weights.scalar_type() == at::kFloat &&
                 topk_weights.size(0) == T,
@@ -370,10 +371,10 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
     const at::Tensor& a = w13[i];
     const at::Tensor& b = w2[i];
     const at::Tensor& r = expert_rows[i];
-    MOE_CHECK(a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && a.dim() == 3 && a.size(1) == 2 * I &&
-                  a.size(2) == H,
-              "w13[", i, "] must be a [N_", i, ", 2*I, H] = [N, ", 2 * I, ", ", H, "] bfloat16 CPU tensor, got ",
-              a.scalar_type(), " ", a.sizes());
+    MOE_CHECK(
+        a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && a.dim() == 3 && a.size(1) == 2 * I && a.size(2) == H,
+        "w13[", i, "] must be a [N_", i, ", 2*I, H] = [N, ", 2 * I, ", ", H, "] bfloat16 CPU tensor, got ",
+        a.scalar_type(), " ", a.sizes());
     MOE_CHECK(a.is_contiguous(), "w13[", i, "] must be contiguous (make the bank contiguous once at load time; the op ",
               "never copies weights)");
     N[i] = a.size(0);
@@ -384,8 +385,8 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
     MOE_CHECK(b.is_contiguous(), "w2[", i, "] must be contiguous (make the bank contiguous once at load time; the op ",
               "never copies weights)");
     MOE_CHECK(r.device().is_cpu() && r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == T && r.size(1) == K,
-              "expert_rows[", i, "] must be a [T, K] = [", T, ", ", K,
-              "] int32 CPU tensor (K as topk_weights), got ", r.scalar_type(), " ", r.sizes());
+              "expert_rows[", i, "] must be a [T, K] = [", T, ", ", K, "] int32 CPU tensor (K as topk_weights), got ",
+              r.scalar_type(), " ", r.sizes());
     c.rows.push_back(r.contiguous());
     c.w13.push_back(a);
     c.w2.push_back(b);
@@ -415,7 +416,8 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   c.scratch = ScratchCache::get().take(static_cast<size_t>(y_bytes + chunk * K * I * 2 + 64));
   c.Y = reinterpret_cast<float*>(c.scratch.get());
   c.hbuf = reinterpret_cast<uint16_t*>(c.scratch.get() + (y_bytes + 63) / 64 * 64);
-  for (int64_t t0 = 0; t0 < T; t0 += chunk) jobs.push_back(std::make_shared<MoeChunkJob>(call, t0, std::min(T, t0 + chunk)));
+  for (int64_t t0 = 0; t0 < T; t0 += chunk)
+    jobs.push_back(std::make_shared<MoeChunkJob>(call, t0, std::min(T, t0 + chunk)));
   return jobs;
 }
 

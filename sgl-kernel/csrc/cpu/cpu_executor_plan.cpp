@@ -44,9 +44,9 @@ MoePlan& plan_at(int64_t plan) {
 int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor& staging_weights,
                              const at::Tensor& staging_rows, at::TensorList w13, at::TensorList w2,
                              const at::Tensor& staging_out) {
-  TORCH_CHECK(staging_hidden.dim() == 2 && staging_weights.dim() == 2 && staging_rows.dim() == 2 &&
-                  staging_out.dim() == 2,
-              "moe_experts_cpu_plan: staging tensors must be 2-D ([Tmax, H], [Tmax, K], [Tmax, K], [Tmax, H])");
+  TORCH_CHECK(
+      staging_hidden.dim() == 2 && staging_weights.dim() == 2 && staging_rows.dim() == 2 && staging_out.dim() == 2,
+      "moe_experts_cpu_plan: staging tensors must be 2-D ([Tmax, H], [Tmax, K], [Tmax, K], [Tmax, H])");
   const int64_t T = staging_hidden.size(0);
   TORCH_CHECK(staging_weights.size(0) == T && staging_rows.size(0) == T && staging_out.size(0) == T,
               "moe_experts_cpu_plan: staging tensors must have the same number of rows (Tmax = ", T, "), got ",

@@ -145,7 +145,7 @@ struct ExpertPool::State {
   std::condition_variable done_cv;
   std::atomic<uint64_t> gen{0};  // bumped when a job starts or the workers stop
   std::atomic<bool> stop{false};
-  std::shared_ptr<PoolJob> current;  // guarded by mu
+  std::shared_ptr<PoolJob> current;            // guarded by mu
   std::deque<std::shared_ptr<PoolJob>> queue;  // front: the running job
   std::unordered_map<int64_t, std::vector<std::shared_ptr<PoolJob>>> handles;
   int64_t next_handle = 1;
@@ -154,7 +154,7 @@ struct ExpertPool::State {
   int nthreads = 0;
   bool started = false;
   Topology topo;
-  std::vector<int> cpu_of;                          // worker -> CPU it is pinned to
+  std::vector<int> cpu_of;                         // worker -> CPU it is pinned to
   std::unique_ptr<std::atomic<int>[]> pin_result;  // worker -> 1 pinned, 0 failed, -1 not yet
   std::atomic<int> ready{0};
 };
@@ -309,8 +309,9 @@ std::vector<std::shared_ptr<PoolJob>> ExpertPool::wait(int64_t handle) {
 
 int ExpertPool::set_threads(int n) {
   State& s = *s_;
-  if (n < 0) throw std::runtime_error("expert_pool_set_threads: n must be >= 0 (0 = one per physical core), got " +
-                                      std::to_string(n));
+  if (n < 0)
+    throw std::runtime_error("expert_pool_set_threads: n must be >= 0 (0 = one per physical core), got " +
+                             std::to_string(n));
   std::lock_guard<std::mutex> cfg(s.cfg_mu);
   ensure_started_locked();
   const int want = n == 0 ? static_cast<int>(s.topo.cores.size()) : n;

@@ -79,17 +79,15 @@ const Level* level_for(const std::string& name) {
   return nullptr;
 }
 
-bool is_level_name(const std::string& n) {
-  return n == "avx512bf16" || n == "avx512" || n == "avx2" || n == "scalar";
-}
+bool is_level_name(const std::string& n) { return n == "avx512bf16" || n == "avx512" || n == "avx2" || n == "scalar"; }
 
 const Level* best_level() {
   std::string cap = "avx512bf16";
   if (const char* env = std::getenv("SGLANG_CPU_KERNEL_ISA")) {
     std::string e(env);
     if (!e.empty() && e != "auto") {
-      TORCH_CHECK(is_level_name(e), "SGLANG_CPU_KERNEL_ISA must be auto, avx512bf16, avx512, avx2 or scalar, got '",
-                  e, "'");
+      TORCH_CHECK(is_level_name(e), "SGLANG_CPU_KERNEL_ISA must be auto, avx512bf16, avx512, avx2 or scalar, got '", e,
+                  "'");
       cap = e;
     }
   }

@@ -184,8 +184,8 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
     if (e == -1) continue;
     if (static_cast<uint32_t>(e) >= static_cast<uint32_t>(E)) {
       sc.n_distinct = nd;
-      TORCH_CHECK(false, "topk_ids[", i / topk_ids.size(1), ", ", i % topk_ids.size(1), "] = ", e,
-                  " is outside [-1, ", E, ")");
+      TORCH_CHECK(false, "topk_ids[", i / topk_ids.size(1), ", ", i % topk_ids.size(1), "] = ", e, " is outside [-1, ",
+                  E, ")");
     }
     distinct[nd] = e;
     nd += tokens[e]++ == 0;
@@ -270,7 +270,8 @@ void expert_bank_copy_cpu(const std::vector<at::Tensor>& src_banks, const std::v
   for (size_t b = 0; b < src_banks.size() && b < dst_banks.size(); ++b)
     TORCH_CHECK(src_banks[b].device().is_cpu() && dst_banks[b].device().is_cpu(), "bank ", b,
                 ": CPU tensors expected, got ", src_banks[b].device(), " and ", dst_banks[b].device());
-  const std::vector<int64_t> row_bytes = ec::check_bank_copy_args(src_banks, dst_banks, fill_src, fill_dst, counts, kCpu);
+  const std::vector<int64_t> row_bytes =
+      ec::check_bank_copy_args(src_banks, dst_banks, fill_src, fill_dst, counts, kCpu);
   const int64_t F = fill_src.numel();
   const int64_t nb = static_cast<int64_t>(src_banks.size());
   std::vector<const char*> src(nb);

@@ -44,8 +44,8 @@ at::Tensor bth(const at::Tensor& t, int64_t B, int64_t T, int64_t HV, const char
                 HV, "], got ", t.sizes());
     r = r.unflatten(0, {B, T});
   }
-  TORCH_CHECK(r.dim() == 3 && r.size(0) == B && r.size(1) == T && r.size(2) == HV, name, " must be [", B, ", ", T,
-              ", ", HV, "], got ", t.sizes());
+  TORCH_CHECK(r.dim() == 3 && r.size(0) == B && r.size(1) == T && r.size(2) == HV, name, " must be [", B, ", ", T, ", ",
+              HV, "], got ", t.sizes());
   if (r.stride(2) != 1) r = r.contiguous();
   return r;
 }
@@ -90,8 +90,7 @@ at::Tensor make_output(const std::vector<Seq>& seqs, int64_t B, int64_t T, int64
   return covered == B * T ? at::empty({B, T, HV, V}, opts) : at::zeros({B, T, HV, V}, opts);
 }
 
-std::vector<int64_t> slot_indices(const c10::optional<at::Tensor>& idx, size_t n, int64_t num_slots,
-                                  const char* name) {
+std::vector<int64_t> slot_indices(const c10::optional<at::Tensor>& idx, size_t n, int64_t num_slots, const char* name) {
   std::vector<int64_t> v = to_int64_vector(*idx, name);
   TORCH_CHECK(v.size() >= n, name, " must have one entry per sequence (", n, "), got ", v.size());
   v.resize(n);
@@ -216,8 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_gated_delta_rule_cpu(
   const IsaKernels& kern = kernels();
   const int64_t ws_floats = chunk_gdn_workspace_floats(K, V, kChunk);
   const int64_t group = HV / H;
-  const float scale =
-      scale_opt.has_value() ? static_cast<float>(*scale_opt) : 1.0f / std::sqrt(static_cast<float>(K));
+  const float scale = scale_opt.has_value() ? static_cast<float>(*scale_opt) : 1.0f / std::sqrt(static_cast<float>(K));
 
   at::parallel_for(0, N * HV, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> ws(ws_floats);
@@ -280,7 +278,8 @@ at::Tensor fused_sigmoid_gating_delta_rule_update_cpu(
   TORCH_CHECK(k.sizes() == q.sizes(), "k must have the shape of q ", q.sizes(), ", got ", k.sizes());
   TORCH_CHECK(v.size(0) == B && v.size(1) == T, "v must be [", B, ", ", T, ", HV, V], got ", v.sizes());
   TORCH_CHECK(H > 0 && HV % H == 0, "num value heads (", HV, ") must be a multiple of num key heads (", H, ")");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k and v must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k and v must share a dtype");
   TORCH_CHECK(softplus_beta > 0, "softplus_beta must be positive");
   const DT io = dt_of(q, "q");
   const at::Tensor a3 = bth(a_in, B, T, HV, "a");
@@ -295,8 +294,7 @@ at::Tensor fused_sigmoid_gating_delta_rule_update_cpu(
   const std::vector<Seq> seqs = make_seqs(cu_seqlens, B, T);
   const int64_t N = static_cast<int64_t>(seqs.size());
   const c10::optional<at::Tensor> idx_opt(initial_state_indices);
-  const std::vector<int64_t> slots =
-      slot_indices(idx_opt, N, initial_state_source.size(0), "initial_state_indices");
+  const std::vector<int64_t> slots = slot_indices(idx_opt, N, initial_state_source.size(0), "initial_state_indices");
 
   at::Tensor out = make_output(seqs, B, T, HV, V, q.options());
   int64_t tmax = 0;

@@ -120,12 +120,12 @@ void assign_req_to_token_pool_cpu(const at::Tensor& req_pool_indices, const at::
   for (int64_t i = 0; i < bs; ++i) {
     TORCH_CHECK(0 <= rows[i] && rows[i] < req_to_token.size(0), "req_pool_indices[", i, "] = ", rows[i],
                 " out of range");
-    TORCH_CHECK(0 <= st[i] && st[i] <= en[i] && en[i] <= pool_len, "request ", i, ": token range [", st[i], ", ",
-                en[i], ") is not within [0, pool_len=", pool_len, "]");
+    TORCH_CHECK(0 <= st[i] && st[i] <= en[i] && en[i] <= pool_len, "request ", i, ": token range [", st[i], ", ", en[i],
+                ") is not within [0, pool_len=", pool_len, "]");
     src_off[i + 1] = src_off[i] + (en[i] - st[i]);
   }
-  TORCH_CHECK(src_off[bs] <= out_cache_loc.numel(), "out_cache_loc has ", out_cache_loc.numel(),
-              " entries, need ", src_off[bs]);
+  TORCH_CHECK(src_off[bs] <= out_cache_loc.numel(), "out_cache_loc has ", out_cache_loc.numel(), " entries, need ",
+              src_off[bs]);
   const at::Tensor src = out_cache_loc.reshape({-1});
   AT_DISPATCH_INTEGRAL_TYPES(req_to_token.scalar_type(), "assign_req_to_token_pool_cpu", [&] {
     using dst_t = scalar_t;
@@ -148,8 +148,8 @@ void assign_req_to_token_pool_cpu(const at::Tensor& req_pool_indices, const at::
 // any target is written, so overlapping src/tgt sets behave like upstream's
 // tiled Triton kernel (kernels/ops/kvcache/cache_move.py). The addresses are
 // trusted: nothing here can check them.
-void copy_all_layer_kv_cache_cpu(const at::Tensor& data_ptrs, const at::Tensor& data_strides,
-                                 const at::Tensor& tgt_loc, const at::Tensor& src_loc) {
+void copy_all_layer_kv_cache_cpu(const at::Tensor& data_ptrs, const at::Tensor& data_strides, const at::Tensor& tgt_loc,
+                                 const at::Tensor& src_loc) {
   SGLK_CHECK_CPU(data_ptrs);
   SGLK_CHECK_CPU(data_strides);
   TORCH_CHECK(data_ptrs.element_size() == 8, "data_ptrs must hold 64-bit addresses, got ", data_ptrs.scalar_type());

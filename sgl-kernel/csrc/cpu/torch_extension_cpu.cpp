@@ -42,8 +42,8 @@ void fused_sigmoid_mul_cpu(const at::Tensor& x, const at::Tensor& gate);
 void assign_req_to_token_pool_cpu(const at::Tensor& req_pool_indices, const at::Tensor& req_to_token,
                                   const at::Tensor& start_offset, const at::Tensor& end_offset,
                                   const at::Tensor& out_cache_loc, int64_t pool_len);
-void copy_all_layer_kv_cache_cpu(const at::Tensor& data_ptrs, const at::Tensor& data_strides,
-                                 const at::Tensor& tgt_loc, const at::Tensor& src_loc);
+void copy_all_layer_kv_cache_cpu(const at::Tensor& data_ptrs, const at::Tensor& data_strides, const at::Tensor& tgt_loc,
+                                 const at::Tensor& src_loc);
 at::Tensor murmur_hash32_cpu(const at::Tensor& seed, const at::Tensor& positions, const at::Tensor& col_indices);
 void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                      at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate);
@@ -118,7 +118,8 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
       "Tensor[] w2, Tensor staging_out) -> int");
   m.def("moe_experts_cpu_run_plan(int plan, int tokens) -> ()", &sglk::moe_experts_cpu_run_plan);
   m.def(
-      "moe_experts_cpu_enqueue(Tensor hidden, Tensor topk_weights, Tensor cpu_rows, int plan, Tensor(b!) staging_hidden, "
+      "moe_experts_cpu_enqueue(Tensor hidden, Tensor topk_weights, Tensor cpu_rows, int plan, Tensor(b!) "
+      "staging_hidden, "
       "Tensor(c!) staging_weights, Tensor(d!) staging_rows, Tensor(e!) staging_out, Tensor(a!) out) -> ()");
 
   // kernel ISA selection (diagnostics / tests)
@@ -145,6 +146,6 @@ TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
 
 // The extension is imported as the Python module sgl_kernel_fork._C; importing it
 // runs the static registrations above.
-static struct PyModuleDef sglk_module = {PyModuleDef_HEAD_INIT, "_C", "sgl_kernel_fork CPU operators (torch.ops.sgl_kernel)",
-                                         -1, nullptr};
+static struct PyModuleDef sglk_module = {PyModuleDef_HEAD_INIT, "_C",
+                                         "sgl_kernel_fork CPU operators (torch.ops.sgl_kernel)", -1, nullptr};
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&sglk_module); }

@@ -53,9 +53,8 @@ const HostCall* host_call(int64_t plan, int64_t tokens) {
 }
 
 const c10::TypedOperatorHandle<RunPlanFn>& run_plan_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("sgl_kernel::moe_experts_cpu_run_plan", "")
-                             .typed<RunPlanFn>();
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("sgl_kernel::moe_experts_cpu_run_plan", "").typed<RunPlanFn>();
   return op;
 }
 
@@ -88,10 +87,10 @@ void copy_rows(void* dst, const void* src, int64_t bytes, cudaMemcpyKind kind, c
   if (bytes > 0) C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), kind, stream));
 }
 
-void moe_experts_cpu_enqueue_cuda(const at::Tensor& hidden, const at::Tensor& topk_weights,
-                                  const at::Tensor& cpu_rows, int64_t plan, const at::Tensor& staging_hidden,
-                                  const at::Tensor& staging_weights, const at::Tensor& staging_rows,
-                                  const at::Tensor& staging_out, const at::Tensor& out) {
+void moe_experts_cpu_enqueue_cuda(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& cpu_rows,
+                                  int64_t plan, const at::Tensor& staging_hidden, const at::Tensor& staging_weights,
+                                  const at::Tensor& staging_rows, const at::Tensor& staging_out,
+                                  const at::Tensor& out) {
   check(hidden, "hidden", at::kBFloat16, true);
   check(topk_weights, "topk_weights", at::kFloat, true);
   check(cpu_rows, "cpu_rows", at::kInt, true);
@@ -131,6 +130,4 @@ void moe_experts_cpu_enqueue_cuda(const at::Tensor& hidden, const at::Tensor& to
 }  // namespace
 }  // namespace sglk_cuda
 
-TORCH_LIBRARY_IMPL(sgl_kernel, CUDA, m) {
-  m.impl("moe_experts_cpu_enqueue", &sglk_cuda::moe_experts_cpu_enqueue_cuda);
-}
+TORCH_LIBRARY_IMPL(sgl_kernel, CUDA, m) { m.impl("moe_experts_cpu_enqueue", &sglk_cuda::moe_experts_cpu_enqueue_cuda); }

@@ -74,7 +74,7 @@ struct WarpList {
     long long ta;
     int tb;
     threshold(cap, ta, tb);
-    if (!key_less(ka, kb, ta, tb)) return;  // uniform branch
+    if (!key_less(ka, kb, ta, tb)) return;                                 // uniform branch
     const int pos = __popc(__ballot_sync(kFull, key_less(a, b, ka, kb)));  // pos < cap
     const long long ua = __shfl_up_sync(kFull, a, 1);
     const int ub = __shfl_up_sync(kFull, b, 1);
@@ -108,8 +108,8 @@ struct WarpList {
 // candidate and sets its key. Adds the number of candidates to *count when count is non-null.
 // Must be called by all threads with uniform arguments; ends with __syncthreads().
 template <class Gen>
-__device__ void block_select(int64_t n, int cap, Gen gen, long long* out_a, int* out_b, int* count,
-                             long long (*wa)[32], int (*wb)[32]) {
+__device__ void block_select(int64_t n, int cap, Gen gen, long long* out_a, int* out_b, int* count, long long (*wa)[32],
+                             int (*wb)[32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   WarpList list;
   list.clear();
@@ -140,7 +140,7 @@ __device__ void block_select(int64_t n, int cap, Gen gen, long long* out_a, int*
 __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const ControlArgs p) {
   extern __shared__ int32_t smem[];
   const int E = p.num_experts;
-  int32_t* tokens = smem;   // [E] routed entries per expert
+  int32_t* tokens = smem;      // [E] routed entries per expert
   int32_t* result = smem + E;  // [E] slot after the call, kMiss (CPU), or -1 (not routed)
   __shared__ long long wa[kWarps][32];
   __shared__ int wb[kWarps][32];

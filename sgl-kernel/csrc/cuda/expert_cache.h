@@ -17,7 +17,7 @@ namespace sglk_cuda {
 // Limits of the single-block control kernel (csrc/shared/expert_cache.h).
 constexpr int kControlMaxExperts = sglk::expert_cache::kCudaMaxExperts;
 constexpr int kControlMaxFill = sglk::expert_cache::kCudaMaxFill;
-constexpr int kBankCopyMaxBanks = 16;     // banks per launch (more banks: one launch per 16)
+constexpr int kBankCopyMaxBanks = 16;  // banks per launch (more banks: one launch per 16)
 
 struct ControlArgs {
   const int32_t* topk_ids;  // [n_entries]
@@ -45,7 +45,7 @@ struct ControlArgs {
 cudaError_t launch_expert_cache_control(const ControlArgs& args, cudaStream_t stream);
 
 struct BankCopyArgs {
-  int32_t num_banks;  // <= kBankCopyMaxBanks
+  int32_t num_banks;                   // <= kBankCopyMaxBanks
   const char* src[kBankCopyMaxBanks];  // device-accessible (UVA of pinned host memory, or device)
   char* dst[kBankCopyMaxBanks];
   int64_t row_bytes[kBankCopyMaxBanks];

@@ -80,7 +80,8 @@ void expert_bank_copy_cuda(const std::vector<at::Tensor>& src_banks, const std::
                            const at::Tensor& fill_src, const at::Tensor& fill_dst, const at::Tensor& counts) {
   TORCH_CHECK(counts.is_cuda(), "counts must be a CUDA tensor, got ", counts.device());
   const at::Device dev = counts.device();
-  const std::vector<int64_t> row_bytes = ec::check_bank_copy_args(src_banks, dst_banks, fill_src, fill_dst, counts, dev);
+  const std::vector<int64_t> row_bytes =
+      ec::check_bank_copy_args(src_banks, dst_banks, fill_src, fill_dst, counts, dev);
   const int64_t F = fill_src.numel();
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();

@@ -47,16 +47,16 @@ inline ControlShape check_control_args(const at::Tensor& topk_ids, int64_t layer
                                        const at::Tensor& slot_of_id, const at::Tensor& id_of_slot,
                                        const at::Tensor& slot_last_use, const at::Tensor& clock,
                                        const at::Tensor& slot_ids, const at::Tensor& cpu_ids,
-                                       const at::Tensor& fill_src, const at::Tensor& fill_dst,
-                                       const at::Tensor& counts, const at::Tensor& stats, double fill_ratio,
-                                       int64_t policy, const at::Device& dev) {
+                                       const at::Tensor& fill_src, const at::Tensor& fill_dst, const at::Tensor& counts,
+                                       const at::Tensor& stats, double fill_ratio, int64_t policy,
+                                       const at::Device& dev) {
   check_on(topk_ids, "topk_ids", at::kInt, dev);
   TORCH_CHECK(topk_ids.dim() == 2, "topk_ids must be [T, K], got shape ", topk_ids.sizes());
   check_on(slot_ids, "slot_ids", at::kInt, dev);
   check_on(cpu_ids, "cpu_ids", at::kInt, dev);
   TORCH_CHECK(slot_ids.sizes() == topk_ids.sizes() && cpu_ids.sizes() == topk_ids.sizes(),
-              "slot_ids and cpu_ids must have topk_ids' shape ", topk_ids.sizes(), ", got ", slot_ids.sizes(),
-              " and ", cpu_ids.sizes());
+              "slot_ids and cpu_ids must have topk_ids' shape ", topk_ids.sizes(), ", got ", slot_ids.sizes(), " and ",
+              cpu_ids.sizes());
   TORCH_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
   TORCH_CHECK(layer >= 0, "layer must be >= 0, got ", layer);
   check_on(slot_of_id, "slot_of_id", at::kInt, dev);
@@ -81,8 +81,7 @@ inline ControlShape check_control_args(const at::Tensor& topk_ids, int64_t layer
   TORCH_CHECK(counts.numel() == stat::count, "counts must have ", stat::count, " entries, got ", counts.numel());
   TORCH_CHECK(stats.numel() == stat::count, "stats must have ", stat::count, " entries, got ", stats.numel());
   TORCH_CHECK(is_miss_policy(policy), "policy must be 0 (qstar), 1 (fill) or 2 (cpu), got ", policy);
-  TORCH_CHECK(std::isfinite(fill_ratio) && fill_ratio >= 0.0, "fill_ratio must be finite and >= 0, got ",
-              fill_ratio);
+  TORCH_CHECK(std::isfinite(fill_ratio) && fill_ratio >= 0.0, "fill_ratio must be finite and >= 0, got ", fill_ratio);
   return {n_ids, S, F};
 }
 
@@ -90,9 +89,9 @@ inline ControlShape check_control_args(const at::Tensor& topk_ids, int64_t layer
 // and, bank by bank, source and destination of the same row shape and dtype, contiguous.
 // Returns each bank's row size in bytes. Where the banks live is the caller's rule.
 inline std::vector<int64_t> check_bank_copy_args(const std::vector<at::Tensor>& src_banks,
-                                                 const std::vector<at::Tensor>& dst_banks,
-                                                 const at::Tensor& fill_src, const at::Tensor& fill_dst,
-                                                 const at::Tensor& counts, const at::Device& dev) {
+                                                 const std::vector<at::Tensor>& dst_banks, const at::Tensor& fill_src,
+                                                 const at::Tensor& fill_dst, const at::Tensor& counts,
+                                                 const at::Device& dev) {
   TORCH_CHECK(src_banks.size() == dst_banks.size(), "src_banks and dst_banks must have the same length, got ",
               src_banks.size(), " and ", dst_banks.size());
   check_on(fill_src, "fill_src", at::kInt, dev);

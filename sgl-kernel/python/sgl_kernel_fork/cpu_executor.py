@@ -91,7 +91,9 @@ def moe_experts_cpu(
             (t, k) with rows in two sets; ``expert_rows``, ``w13`` and ``w2``
             of unequal lengths (or empty).
     """
-    _ops.moe_experts_cpu(hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate)
+    _ops.moe_experts_cpu(
+        hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate
+    )
 
 
 def moe_experts_cpu_submit(
@@ -119,7 +121,9 @@ def moe_experts_cpu_submit(
     Returns:
         int handle for :func:`moe_experts_cpu_wait`.
     """
-    return _ops.moe_experts_cpu_submit(hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate)
+    return _ops.moe_experts_cpu_submit(
+        hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate
+    )
 
 
 def moe_experts_cpu_wait(handle: int) -> None:
@@ -173,7 +177,6 @@ def expert_pool_read_bandwidth(buffer: torch.Tensor, passes: int = 1) -> float:
     return _ops.expert_pool_read_bandwidth(buffer, passes)
 
 
-
 class CpuBranchPlan:
     """The CPU branch of an expert-slot cache as stream work: copy, host function, copy.
 
@@ -200,7 +203,9 @@ class CpuBranchPlan:
         RuntimeError: banks of the wrong dtype, layout or device (the executor's checks).
     """
 
-    def __init__(self, max_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, pin: bool = True):
+    def __init__(
+        self, max_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, pin: bool = True
+    ):
         H = w13.shape[2]
         alloc = dict(device="cpu", pin_memory=pin)
         self.max_tokens = max_tokens
@@ -209,7 +214,9 @@ class CpuBranchPlan:
         self.rows = torch.full((max_tokens, top_k), -1, dtype=torch.int32, **alloc)
         self.out = torch.zeros(max_tokens, H, dtype=torch.float32, **alloc)
         self.w13, self.w2 = w13, w2
-        self.handle = _ops.moe_experts_cpu_plan(self.hidden, self.weights, self.rows, [w13], [w2], self.out)
+        self.handle = _ops.moe_experts_cpu_plan(
+            self.hidden, self.weights, self.rows, [w13], [w2], self.out
+        )
 
     def run(self, tokens: int) -> None:
         """Run the executor on staging rows ``0..tokens-1`` now (what the host function does).
@@ -220,8 +227,13 @@ class CpuBranchPlan:
         """
         _ops.moe_experts_cpu_run_plan(self.handle, tokens)
 
-    def enqueue(self, hidden: torch.Tensor, topk_weights: torch.Tensor, cpu_rows: torch.Tensor,
-                out: torch.Tensor) -> None:
+    def enqueue(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        cpu_rows: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         """Enqueue the branch on the current CUDA stream (see the class doc).
 
         Args:
@@ -235,5 +247,14 @@ class CpuBranchPlan:
                 An executor error inside the host function (an internal bug: a row outside
                 the bank) cannot raise there: it aborts the process with the message.
         """
-        _ops.moe_experts_cpu_enqueue(hidden, topk_weights, cpu_rows, self.handle, self.hidden, self.weights,
-                                     self.rows, self.out, out)
+        _ops.moe_experts_cpu_enqueue(
+            hidden,
+            topk_weights,
+            cpu_rows,
+            self.handle,
+            self.hidden,
+            self.weights,
+            self.rows,
+            self.out,
+            out,
+        )

@@ -142,7 +142,9 @@ def causal_conv1d_update_cpu(
     ):
         raise RuntimeError(f"causal_conv1d_update_cpu: {_SPEC_MSG}")
     if cache_seqlens is not None:
-        raise RuntimeError("causal_conv1d_update_cpu: cache_seqlens (circular conv state) is not supported")
+        raise RuntimeError(
+            "causal_conv1d_update_cpu: cache_seqlens (circular conv state) is not supported"
+        )
     return ops.causal_conv1d_update(
         x,
         conv_state,

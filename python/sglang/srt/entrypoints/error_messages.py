@@ -39,8 +39,10 @@ def malformed_json_message(err: dict) -> str:
 # The chat handler validates the converted request and names OpenAI's fields; a tool's
 # ``input_schema`` became ``function.parameters`` in the conversion.
 _OPENAI_TOOL_SCHEMA = (
-    (re.compile(r"\bTool (\d+) function has invalid 'parameters' schema"),
-     r"tools.\1.input_schema is not a valid JSON Schema"),
+    (
+        re.compile(r"\bTool (\d+) function has invalid 'parameters' schema"),
+        r"tools.\1.input_schema is not a valid JSON Schema",
+    ),
     (re.compile(r"\bTool (\d+) function 'parameters' schema"), r"tools.\1.input_schema"),
 )
 

@@ -101,8 +101,17 @@ def cache_dir() -> Path:
 
 def train_tokenizer_json() -> str:
     """Train the tokenizer from scratch; returns the tokenizer.json text (deterministic)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
-    from tokenizers import normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     version, files = corpus_files()
     if version != CORPUS_PACKAGE_PINNED_VERSION:
@@ -159,7 +168,9 @@ def train_tokenizer_json() -> str:
     if tok.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
     # Canonical, byte-stable serialization.
-    return json.dumps(json.loads(tok.to_str()), ensure_ascii=False, indent=2, sort_keys=False) + "\n"
+    return (
+        json.dumps(json.loads(tok.to_str()), ensure_ascii=False, indent=2, sort_keys=False) + "\n"
+    )
 
 
 def tokenizer_json(use_cache: bool = True) -> str:

@@ -38,8 +38,7 @@ struct CpuExecutorKernels {
 
   // r = 0; for k < nk: r = fma(ws[k], ys[k][i], r);  out[i] = accumulate ? out[i] + r : r
   // for i < n (k in order; fma is a single rounding on the SIMD levels).
-  void (*weighted_sum)(float* out, int64_t n, const float* const* ys, const float* ws, int64_t nk,
-                       int32_t accumulate);
+  void (*weighted_sum)(float* out, int64_t n, const float* const* ys, const float* ws, int64_t nk, int32_t accumulate);
 
   // Reads `bytes` bytes from p (64-byte aligned, bytes a multiple of 256) with
   // full-width loads and returns a value that depends on all of them (so the

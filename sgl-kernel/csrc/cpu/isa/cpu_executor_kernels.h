@@ -62,8 +62,8 @@ static inline __attribute__((always_inline)) void reduce4_store(__m512 a, __m512
   const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
   // [a|b|c|d] 128-bit blocks: (i) + (i + 4) of each 256-bit half
   const __m512 v6 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  const __m512 v8 = _mm512_add_ps(v6, _mm512_permute_ps(v6, 0x4E));   // (0 + 2), (1 + 3)
-  const __m512 v9 = _mm512_add_ps(v8, _mm512_permute_ps(v8, 0xB1));   // (0 + 1)
+  const __m512 v8 = _mm512_add_ps(v6, _mm512_permute_ps(v6, 0x4E));  // (0 + 2), (1 + 3)
+  const __m512 v9 = _mm512_add_ps(v8, _mm512_permute_ps(v8, 0xB1));  // (0 + 1)
   const __m128 s = _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, v9));
   if constexpr (NS == 4)
     _mm_storeu_ps(y, s);
@@ -154,8 +154,7 @@ static inline void dot_micro(const uint16_t* w, int64_t w_rs, const uint16_t* co
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 wv[R];
-    for (int r = 0; r < R; ++r)
-      wv[r] = cvt16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * w_rs + i)));
+    for (int r = 0; r < R; ++r) wv[r] = cvt16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * w_rs + i)));
     if constexpr (PF)
       if ((i & 31) == 0)
         for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w + (R + r) * w_rs + i);
@@ -256,8 +255,8 @@ static inline void dot_first(bool pf, const uint16_t* w, int64_t w_rs, const uin
 }
 
 template <int R, int CM>
-static inline void dot_cols(bool pf, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols,
-                            int64_t n, float* const* y, int64_t r0) {
+static inline void dot_cols(bool pf, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols, int64_t n,
+                            float* const* y, int64_t r0) {
   int64_t c = 0;
   for (; c + CM <= cols; c += CM) dot_first<R, CM>(pf && c == 0, w, w_rs, x + c, n, y + c, r0);
   const int64_t cr = cols - c;
@@ -276,8 +275,8 @@ static inline void dot_cols(bool pf, const uint16_t* w, int64_t w_rs, const uint
 // The last rows < R of a tile: dispatch the runtime count to a compile-time R.
 template <int R, int CM>
 struct RowRest {
-  static inline void run(int64_t rr, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols,
-                         int64_t n, float* const* y, int64_t r0) {
+  static inline void run(int64_t rr, const uint16_t* w, int64_t w_rs, const uint16_t* const* x, int64_t cols, int64_t n,
+                         float* const* y, int64_t r0) {
     if (rr == R)
       dot_cols<R, CM>(false, w, w_rs, x, cols, n, y, r0);
     else

@@ -17,11 +17,11 @@
 #define SGLK_ISA_TARGET_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #define SGLK_ISA_TARGET_AVX512BF16 "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"
 
-#define SGLK_ISA_UNITS(SGLK_ISA_UNIT)                                        \
-  SGLK_ISA_UNIT(kernels, scalar, 0, "", 0)                                   \
-  SGLK_ISA_UNIT(kernels, avx2, 1, SGLK_ISA_TARGET_AVX2, 0)                   \
-  SGLK_ISA_UNIT(kernels, avx512, 2, SGLK_ISA_TARGET_AVX512, 0)               \
-  SGLK_ISA_UNIT(cpu_executor, scalar, 0, "", 0)                              \
-  SGLK_ISA_UNIT(cpu_executor, avx2, 1, SGLK_ISA_TARGET_AVX2, 0)              \
-  SGLK_ISA_UNIT(cpu_executor, avx512, 2, SGLK_ISA_TARGET_AVX512, 0)          \
+#define SGLK_ISA_UNITS(SGLK_ISA_UNIT)                               \
+  SGLK_ISA_UNIT(kernels, scalar, 0, "", 0)                          \
+  SGLK_ISA_UNIT(kernels, avx2, 1, SGLK_ISA_TARGET_AVX2, 0)          \
+  SGLK_ISA_UNIT(kernels, avx512, 2, SGLK_ISA_TARGET_AVX512, 0)      \
+  SGLK_ISA_UNIT(cpu_executor, scalar, 0, "", 0)                     \
+  SGLK_ISA_UNIT(cpu_executor, avx2, 1, SGLK_ISA_TARGET_AVX2, 0)     \
+  SGLK_ISA_UNIT(cpu_executor, avx512, 2, SGLK_ISA_TARGET_AVX512, 0) \
   SGLK_ISA_UNIT(cpu_executor, avx512bf16, 2, SGLK_ISA_TARGET_AVX512BF16, 1)

@@ -23,13 +23,13 @@ enum class DT : int32_t { F32 = 0, BF16 = 1 };
 // Pointers are already offset to token 0 of the sequence and to the head;
 // *_ts are token strides in elements; the last dimension is contiguous.
 struct ChunkGdnArgs {
-  int64_t len;    // tokens in this sequence
-  int64_t K;      // key head dim
-  int64_t V;      // value head dim
-  int64_t chunk;  // chunk size BT (64 like FLA)
-  float scale;    // query scale (K ** -0.5)
-  float l2_eps;   // eps of the q/k L2 norm: x / sqrt(sum(x^2) + eps)
-  int32_t l2norm; // apply the q/k L2 norm
+  int64_t len;     // tokens in this sequence
+  int64_t K;       // key head dim
+  int64_t V;       // value head dim
+  int64_t chunk;   // chunk size BT (64 like FLA)
+  float scale;     // query scale (K ** -0.5)
+  float l2_eps;    // eps of the q/k L2 norm: x / sqrt(sum(x^2) + eps)
+  int32_t l2norm;  // apply the q/k L2 norm
 
   DT io_dt;  // dtype of q, k, v, out and h
   const void* q;
@@ -48,7 +48,7 @@ struct ChunkGdnArgs {
   const void* beta;
   int64_t beta_ts;
 
-  DT state_dt;        // recurrent state slot, [V][K] (K contiguous), may be null
+  DT state_dt;  // recurrent state slot, [V][K] (K contiguous), may be null
   void* state;
   int32_t load_state;   // start from *state (else from zeros)
   int32_t store_state;  // write the final state back to *state
@@ -177,4 +177,3 @@ static inline int64_t conv1d_workspace_floats(int64_t width, int64_t c0, int64_t
 }
 
 }  // namespace sglk
-

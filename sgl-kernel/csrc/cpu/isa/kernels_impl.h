@@ -202,22 +202,22 @@ static void gemm(int64_t M, int64_t N, int64_t P, const float* A, int64_t lda, c
 static void chunk_gdn(const ChunkGdnArgs& a, float* ws) {
   const int64_t K = a.K, V = a.V, BT = a.chunk;
   const int64_t L = pad16(BT), Kp = pad16(K), Vp = pad16(V);
-  float* Qs = ws;            // [BT][Kp] normalised, scaled queries
-  float* Kn = Qs + L * Kp;   // [BT][Kp] normalised keys
-  float* KbG = Kn + L * Kp;  // [BT][Kp] -beta_j Gam_j k_j
-  float* Wm = KbG + L * Kp;  // [BT][Kp] T @ KbG
-  float* KnT = Wm + L * Kp;  // [K][L]
-  float* KdT = KnT + Kp * L; // [K][L] exp(G_last - G_j) k_j, transposed
-  float* Ub = KdT + Kp * L;  // [BT][Vp] beta_j v_j
-  float* Ob = Ub + L * Vp;   // [BT][Vp] output accumulator
-  float* Un = Ob + L * Vp;   // [BT][Vp] u (new values)
-  float* S = Un + L * Vp;    // [K][Vp] running state, fp32
-  float* Tm = S + Kp * Vp;   // [BT][L] k.k, then T
-  float* Am = Tm + L * L;    // [BT][L] decayed causal q.k
-  float* G = Am + L * L;     // [L]
-  float* Gam = G + L;        // [L]
-  float* bt = Gam + L;       // [L]
-  float* tmp = bt + L;       // [L]
+  float* Qs = ws;             // [BT][Kp] normalised, scaled queries
+  float* Kn = Qs + L * Kp;    // [BT][Kp] normalised keys
+  float* KbG = Kn + L * Kp;   // [BT][Kp] -beta_j Gam_j k_j
+  float* Wm = KbG + L * Kp;   // [BT][Kp] T @ KbG
+  float* KnT = Wm + L * Kp;   // [K][L]
+  float* KdT = KnT + Kp * L;  // [K][L] exp(G_last - G_j) k_j, transposed
+  float* Ub = KdT + Kp * L;   // [BT][Vp] beta_j v_j
+  float* Ob = Ub + L * Vp;    // [BT][Vp] output accumulator
+  float* Un = Ob + L * Vp;    // [BT][Vp] u (new values)
+  float* S = Un + L * Vp;     // [K][Vp] running state, fp32
+  float* Tm = S + Kp * Vp;    // [BT][L] k.k, then T
+  float* Am = Tm + L * L;     // [BT][L] decayed causal q.k
+  float* G = Am + L * L;      // [L]
+  float* Gam = G + L;         // [L]
+  float* bt = Gam + L;        // [L]
+  float* tmp = bt + L;        // [L]
 
   const bool has_state = a.state != nullptr;
   bool state_zero = true;
@@ -298,7 +298,7 @@ static void chunk_gdn(const ChunkGdnArgs& a, float* ws) {
       // row i of T: e_i - sum_{m<i} M[i][m] T[m][:]
       const float bi = bt[i];
       for (int64_t m = 0; m < i; ++m) tmp[m] = -bi * tmp[m] * krow[m];  // -M[i][m]
-      float* trow = Un;  // scratch row of length L
+      float* trow = Un;                                                 // scratch row of length L
       fill(trow, 0.0f, L);
       for (int64_t m = 0; m < i; ++m) axpy(trow, tmp[m], Tm + m * L, imin(L, (m / VW + 1) * VW));
       for (j = 0; j < i; ++j) krow[j] = trow[j];

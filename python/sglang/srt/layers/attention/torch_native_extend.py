@@ -67,9 +67,7 @@ def sdpa_materializes_scores(
         return True
 
 
-def query_block_rows(
-    num_heads: int, kv_len: int, window: Optional[int], budget: int
-) -> int:
+def query_block_rows(num_heads: int, kv_len: int, window: Optional[int], budget: int) -> int:
     """Rows per query block so that num_heads * rows * visible_keys <= budget
     (pass num_heads=1 when only the rows x keys mask gets materialized).
 

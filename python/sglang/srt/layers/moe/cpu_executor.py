@@ -70,7 +70,10 @@ def _layer_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
         return "router weight applied on the input"
     if moe_runner_config.gemm1_alpha is not None or moe_runner_config.gemm1_clamp_limit is not None:
         return "gemm1 alpha / clamp"
-    if getattr(layer, "w13_weight_bias", None) is not None or getattr(layer, "w2_weight_bias", None) is not None:
+    if (
+        getattr(layer, "w13_weight_bias", None) is not None
+        or getattr(layer, "w2_weight_bias", None) is not None
+    ):
         return "expert biases"
     if getattr(getattr(layer, "quant_method", None), "w13_swiglu_interleaved", False):
         return "interleaved gate/up rows"

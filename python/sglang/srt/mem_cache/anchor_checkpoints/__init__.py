@@ -11,6 +11,7 @@ tags the stored states and exports their counters (:mod:`.cache`, :mod:`.stats`)
 Flags (``exec.mamba``): ``--disable-anchor-checkpoints``, ``--anchor-markers``,
 ``--anchor-checkpoint-min-gap``, ``--anchor-checkpoint-max-states``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -93,9 +94,11 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
 
     chunked = get_schedule().chunked_prefill_size  # what the scheduler uses (init_chunked_prefill)
     if ctx.params.enable_mamba_extra_buffer:
-        why_not = ("the extra_buffer mamba radix cache strategy (it stores states on a fixed "
-                   "grid; --mamba-radix-cache-strategy no_buffer, with page size 1 and no "
-                   "speculative decoding, turns anchors on)")
+        why_not = (
+            "the extra_buffer mamba radix cache strategy (it stores states on a fixed "
+            "grid; --mamba-radix-cache-strategy no_buffer, with page size 1 and no "
+            "speculative decoding, turns anchors on)"
+        )
     elif ctx.params.page_size != 1:
         why_not = f"page size {ctx.params.page_size}"
     elif chunked is None or chunked <= 0:
@@ -110,11 +113,14 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
         return None
     try:
         scanner = AnchorScanner.from_tokenizer(
-            tokenizer, markers=mamba.anchor_markers,
+            tokenizer,
+            markers=mamba.anchor_markers,
             chat_template=_chat_template(ctx.server_args, tokenizer),
         )
     except Exception as e:  # a tokenizer without the Hugging Face vocabulary API
-        logger.warning("Anchor checkpoints are off: cannot read the tokenizer's vocabulary (%r).", e)
+        logger.warning(
+            "Anchor checkpoints are off: cannot read the tokenizer's vocabulary (%r).", e
+        )
         return None
     if not scanner.markers:
         logger.warning("Anchor checkpoints are off: no markers in the tokenizer or chat template.")
@@ -122,6 +128,8 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
     from sglang.srt.mem_cache.anchor_checkpoints.cache import AnchorRadixCache
 
     return functools.partial(
-        AnchorRadixCache, scanner=scanner, min_gap=mamba.anchor_checkpoint_min_gap,
+        AnchorRadixCache,
+        scanner=scanner,
+        min_gap=mamba.anchor_checkpoint_min_gap,
         max_states=mamba.anchor_checkpoint_max_states,
     )

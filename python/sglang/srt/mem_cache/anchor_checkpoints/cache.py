@@ -15,10 +15,11 @@ fed end at an anchor, the request's path is inserted up to there with upstream's
 (the same insert a prefill chunk end makes): the live state is copied into a fresh slot of the
 state pool, the KV written so far joins the tree, and the request's lock moves onto that node.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
 from sglang.srt.mem_cache.anchor_checkpoints.planner import AnchorPlanner
@@ -42,8 +43,9 @@ class AnchorRadixCache(UnifiedRadixCache):
     the tree frees the slot or is reset); a tag's position is the depth of that node.
     """
 
-    def __init__(self, params: CacheInitParams, scanner: AnchorScanner, *, min_gap: int,
-                 max_states: int = -1) -> None:
+    def __init__(
+        self, params: CacheInitParams, scanner: AnchorScanner, *, min_gap: int, max_states: int = -1
+    ) -> None:
         super().__init__(params)
         assert self.is_mamba_enabled and not self.enable_mamba_extra_buffer, (
             "anchor checkpoints need the no-buffer hybrid (mamba) radix cache"
@@ -59,12 +61,16 @@ class AnchorRadixCache(UnifiedRadixCache):
         replay = getattr(self.req_to_token_pool.mamba_pool, "replayssm_write_pos", None) is not None
         self._decode_anchors = not (get_serving().strip_thinking_cache or replay)
         if not self._decode_anchors:
-            logger.info("Anchor checkpoints in generated text are off with %s.",
-                        "ReplaySSM" if replay else "--strip-thinking-cache")
+            logger.info(
+                "Anchor checkpoints in generated text are off with %s.",
+                "ReplaySSM" if replay else "--strip-thinking-cache",
+            )
         self._in_decode_save = False
         logger.info(
             "Anchor checkpoints on: %d markers %s, min gap %d tokens, tree state cap %s",
-            len(scanner.markers), list(scanner.markers), min_gap,
+            len(scanner.markers),
+            list(scanner.markers),
+            min_gap,
             max_states if max_states > 0 else "none (the mamba state pool)",
         )
 
@@ -174,4 +180,3 @@ class AnchorRadixCache(UnifiedRadixCache):
         stats = getattr(self, "anchor_stats", None)
         if stats is not None:
             stats.on_reset()
-

@@ -13,6 +13,7 @@ always the LAST token boundary at or before the marker's start (before-anchor) o
 (after-anchor), so an anchor never lies past the point where an edit right at the marker would
 make the token sequences differ, however the tokenizer merged the marker with its neighbours.
 """
+
 from __future__ import annotations
 
 import re
@@ -112,7 +113,9 @@ def token_bytes_table(tokenizer) -> list[bytes]:
 def _holds_any(table: Sequence[bytes], byte_values: set[int]) -> np.ndarray:
     """Bool per entry of ``table``: does it contain any of ``byte_values``."""
     others = bytes(b for b in range(256) if b not in byte_values)
-    return np.fromiter((bool(t.translate(None, others)) for t in table), dtype=bool, count=len(table))
+    return np.fromiter(
+        (bool(t.translate(None, others)) for t in table), dtype=bool, count=len(table)
+    )
 
 
 class AnchorScanner:
@@ -127,7 +130,9 @@ class AnchorScanner:
         self.table: tuple[bytes, ...] = tuple(table)
         pats = sorted({m.encode("utf-8") for m in self.markers if m}, key=len, reverse=True)
         self._re = re.compile(b"|".join(map(re.escape, pats))) if pats else None
-        self._lens = np.fromiter((len(b) for b in self.table), dtype=np.int64, count=len(self.table))
+        self._lens = np.fromiter(
+            (len(b) for b in self.table), dtype=np.int64, count=len(self.table)
+        )
         # A marker of n bytes covers at most n tokens: the look-back that finds a marker
         # straddling the start of a scanned span.
         self.lookback: int = max((len(p) for p in pats), default=0)
@@ -138,12 +143,17 @@ class AnchorScanner:
         self._may_close = _holds_any(self.table, {p[-1] for p in pats})
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, markers: Optional[Sequence[str]] = None,
-                       chat_template: Optional[str] = None) -> "AnchorScanner":
+    def from_tokenizer(
+        cls, tokenizer, markers: Optional[Sequence[str]] = None, chat_template: Optional[str] = None
+    ) -> "AnchorScanner":
         """Scanner for ``markers`` (default: :func:`derive_markers` of the tokenizer and template)."""
         if markers is None:
             added = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
-            template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+            template = (
+                chat_template
+                if chat_template is not None
+                else getattr(tokenizer, "chat_template", None)
+            )
             if isinstance(template, dict):  # named templates
                 template = "\n".join(str(v) for v in template.values())
             markers = derive_markers(added, template)

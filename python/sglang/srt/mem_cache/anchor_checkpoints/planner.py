@@ -35,6 +35,7 @@ far end at an anchor; the cache then copies the request's live state into the tr
 anchor), and every generated anchor keeps a saved state fewer than ``min_gap`` tokens before it,
 the same bound as near the end of a prompt.
 """
+
 from __future__ import annotations
 
 import logging
@@ -137,7 +138,7 @@ class AnchorPlanner:
             return False
         lo = max(0, fed - self.scanner.lookback)
         n_in = len(prompt)
-        window = list(out[lo - n_in:]) if lo >= n_in else list(prompt[lo:]) + list(out)
+        window = list(out[lo - n_in :]) if lo >= n_in else list(prompt[lo:]) + list(out)
         # scan() reads tokens up to ``end``: end one past ``fed`` to read the newest token.
         found = self.scanner.scan(window, fed - lo, fed - lo + 1)
         return bool(len(found)) and int(found[0]) == fed - lo

@@ -5,9 +5,10 @@ A checkpoint is identified by its state slot (an index into the mamba state pool
 radix tree holds it: tagged when a prefill chunk or decode step that ended at an anchor is
 inserted, untagged when the tree frees the slot (eviction) or the tree is flushed.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:

@@ -45,9 +45,7 @@ def profile_path() -> Path:
     env = os.environ.get("SGLANG_EXPERT_CACHE_PROFILE_PATH")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache"
-    )
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sglang" / "expert_cache_bandwidth.json"
 
 
@@ -63,14 +61,8 @@ def _cpu_model() -> str:
 
 
 def profile_key(device: torch.device, fmt_label: str, shape: str, threads: int) -> str:
-    dev = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else "cpu"
-    )
-    return "|".join(
-        [platform.node(), _cpu_model(), dev, fmt_label, shape, f"threads={threads}"]
-    )
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return "|".join([platform.node(), _cpu_model(), dev, fmt_label, shape, f"threads={threads}"])
 
 
 def time_gbps(fn: Callable[[], int], budget_s: float = 0.1, min_reps: int = 3) -> float:

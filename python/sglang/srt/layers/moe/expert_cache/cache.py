@@ -317,9 +317,7 @@ class ExpertSlotCache:
         if self._cuda is not None:
             # The fills are copied after the CPU branch forks, so the two run in parallel.
             routing = self.control(layer_id, ids)
-            return self._cuda.forward(
-                x, weights, routing, self.fill, self.slots, moe_runner_config
-            )
+            return self._cuda.forward(x, weights, routing, self.fill, self.slots, moe_runner_config)
         routing = self.route(layer_id, ids)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
         torch.ops.sgl_kernel.moe_experts_cpu(

@@ -19,9 +19,7 @@ from sglang.srt.layers.moe.expert_cache.control import MissPolicy
 logger = logging.getLogger(__name__)
 
 
-_SIZE_RE = re.compile(
-    r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>%|[kKmMgGtT]i?[bB]|[bB])?\s*$"
-)
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>%|[kKmMgGtT]i?[bB]|[bB])?\s*$")
 _UNIT_BYTES = {
     "b": 1,
     "kb": 10**3,
@@ -72,9 +70,7 @@ class CacheSize:
         if unit:
             return cls(bytes=int(num * _UNIT_BYTES[unit]))
         if num != int(num):
-            raise ValueError(
-                f"--expert-cache-size slot count must be an integer; got {spec!r}"
-            )
+            raise ValueError(f"--expert-cache-size slot count must be an integer; got {spec!r}")
         return cls(slots=int(num))
 
     def resolve(self, pool_experts: int, expert_bytes: int, auto_slots: int) -> int:

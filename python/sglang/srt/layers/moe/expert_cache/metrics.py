@@ -69,7 +69,8 @@ class ExpertCacheMetrics:
                 from prometheus_client import Counter, Gauge
 
                 self._counters = {
-                    k: Counter(f"sglang:expert_cache_{k}_total", doc) for k, doc in _COUNTERS.items()
+                    k: Counter(f"sglang:expert_cache_{k}_total", doc)
+                    for k, doc in _COUNTERS.items()
                 }
                 self._gauges = {
                     k: Gauge(name, doc, multiprocess_mode="mostrecent")
