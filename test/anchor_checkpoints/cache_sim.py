@@ -91,12 +91,14 @@ class CacheSim:
         self.running: list[Req] = []
         self._rid = itertools.count()
         self.evicted_any = False
+        self.evictions = 0  # evictions that freed something, ever (evicted_any is reset by tests)
         inner = self.cache._evict
 
         def spy(*a, **kw):  # remember whether any eviction happened (the reference gets lossy)
             result = inner(*a, **kw)
             if result.num_tokens_evicted or result.mamba_num_evicted:
                 self.evicted_any = True
+                self.evictions += 1
             return result
 
         self.cache._evict = spy

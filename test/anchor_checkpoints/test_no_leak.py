@@ -6,7 +6,12 @@ Rust tree core, tiny CPU pools, no model, no server). Rules admit requests whose
 prefixes with earlier ones (cut anywhere, inside a two-token marker too), run prefill chunks
 (ended at anchors by the planner), decode (markers too: the state at an anchor in generated
 text is saved), finish, abort, flush, and evict under pressure (the pools are small, so
-allocations evict as well).
+allocations evict as well). One rule admits a request that extends a state saved during decode
+(the next turn of a harness resending the generated text): with nothing evicted since that save,
+it must restore that decode anchor checkpoint (or a longer saved prefix) and count it as an
+anchor restore. ``test_anchor_cache`` runs the machine and then asserts that the run covered
+chunk cuts, decode saves, anchor restores and restores of decode-saved states (``COVERAGE``;
+hypothesis's own ``event()`` statistics cannot fail a test).
 
 The reference model is the set of token prefixes whose recurrent state the scheduler handed to
 the tree (every chunk end, every decode anchor saved, every finished request's key). Invariants after every step:
@@ -24,10 +29,13 @@ the tree (every chunk end, every decode anchor saved, every finished request's k
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+)
 
 from cache_sim import B_GT, B_LT, CLOSE, OPEN, VOCAB, CacheSim, toy_scanner
 from sglang.srt.mem_cache.anchor_checkpoints.planner import TAIL_TOKENS
@@ -35,7 +43,16 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 MIN_GAP = 3
+CONTEXT = 100  # longest prompt (CacheSim rows hold 128 tokens; decode adds some)
 TEXT = st.integers(5, VOCAB - 1)
+# Events of every example of one run of the machine, asserted after it (test_anchor_cache):
+# hypothesis reports event() only as statistics, which cannot fail.
+COVERAGE: Counter[str] = Counter()
+
+
+def _event(name: str) -> None:
+    event(name)
+    COVERAGE[name] += 1
 
 
 @st.composite
@@ -62,7 +79,7 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = []
         self.saved: set[tuple[int, ...]] = set()
         self.saved_at_anchors: set[tuple[int, ...]] = set()
-        self.saved_in_decode: set[tuple[int, ...]] = set()
+        self.saved_in_decode: dict[tuple[int, ...], int] = {}  # prefix -> sim.evictions then
         self.admitted_tokens = [0, 0]  # reused, recomputed over admitted requests
 
     # ---- rules ----------------------------------------------------------------------------
@@ -79,21 +96,42 @@ class AnchorCacheMachine(RuleBasedStateMachine):
             prompt = base[:keep] + data.draw(blocks(), label="new blocks")
         else:
             prompt = data.draw(blocks(), label="prompt")
-        prompt = prompt[:60]
+        self._admit(prompt[:60], budget)
+
+    @precondition(lambda self: any(len(p) < CONTEXT for p in self.saved_in_decode))
+    @rule(data=st.data(), budget=st.integers(1, 24))
+    def extend_decode_anchor(self, data, budget):
+        """A request that extends a state saved during decode (the next turn of a harness that
+        resends the generated text): the admission must restore that decode anchor checkpoint
+        (or a longer saved prefix) unless something was evicted since it was saved."""
+        prefix = data.draw(st.sampled_from(sorted(p for p in self.saved_in_decode if len(p) < CONTEXT)),
+                           label="decode-saved prefix")
+        prompt = [*prefix, *data.draw(blocks(), label="new blocks")][:CONTEXT]
+        lossless = self.saved_in_decode[prefix] == self.sim.evictions
+        req = self._admit(prompt, budget)  # may evict, but not the prefix it matched and locked
+        if req is None or not lossless:
+            return
+        COVERAGE["decode-saved prefix admitted without eviction"] += 1
+        assert req.anchor_admitted_prefix >= len(prefix), (req.anchor_admitted_prefix, len(prefix))
+        if req.anchor_admitted_prefix == len(prefix):
+            assert req.anchor_restored, "the decode anchor checkpoint was matched but not counted"
+
+    def _admit(self, prompt, budget):
         req = self.sim.admit(prompt, budget)
         if req is None:
-            return
+            return None
         self.prompts.append(prompt)
         restored = req.anchor_admitted_prefix
         self.admitted_tokens[0] += restored  # counted once, when its first chunk ran
         self.admitted_tokens[1] += len(prompt) - restored
         assert restored == 0 or tuple(prompt[:restored]) in self.saved
         if req.anchor_restored:  # the state came from a chunk cut at an anchor, of this prefix
-            event("restored from an anchor checkpoint")
+            _event("restored from an anchor checkpoint")
             assert tuple(prompt[:restored]) in self.saved_at_anchors
             if tuple(prompt[:restored]) in self.saved_in_decode:
-                event("restored from a decode anchor checkpoint")
+                _event("restored from a decode anchor checkpoint")
         self._chunk_done(req, restored, budget)
+        return req
 
     @precondition(lambda self: any(self.sim.prefilling(r) for r in self.sim.running))
     @rule(data=st.data(), budget=st.integers(1, 24))
@@ -106,7 +144,7 @@ class AnchorCacheMachine(RuleBasedStateMachine):
     def _chunk_done(self, req, start, budget):
         end, total = req.extend_end, len(req.origin_input_ids)
         if end < min(start + budget, total):  # cut short: at an anchor, spaced by min_gap
-            event("chunk cut at an anchor")
+            _event("chunk cut at an anchor")
             assert self.sim.planner.is_cut(req, end)
             assert end - start >= MIN_GAP and end <= total - TAIL_TOKENS
             assert end in self.sim.planner.positions(req, 0).tolist()
@@ -129,13 +167,13 @@ class AnchorCacheMachine(RuleBasedStateMachine):
             fed = req.kv.kv_committed_len
             ids = list(req.origin_input_ids) + list(req.output_ids)
             if req.kv.cache_protected_len != before:  # a decode anchor was saved
-                event("decode anchor saved")
+                _event("decode anchor saved")
                 assert req.kv.cache_protected_len == fed and fed - before >= MIN_GAP
                 assert self.sim.planner.is_cut(req, fed)
                 assert fed in toy_scanner().scan(ids).tolist()
                 self.saved.add(tuple(ids[:fed]))
                 self.saved_at_anchors.add(tuple(ids[:fed]))
-                self.saved_in_decode.add(tuple(ids[:fed]))
+                self.saved_in_decode[tuple(ids[:fed])] = self.sim.evictions
                 self.prompts.append(ids)  # later prompts edit the generated text too
             elif fed - before >= MIN_GAP and fed in toy_scanner().scan(ids[: fed + 1]).tolist():
                 # Only a full state pool (nothing free, nothing evictable) skips a due save.
@@ -219,8 +257,18 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         assert [c.reused_tokens, c.recomputed_tokens] == self.admitted_tokens
 
 
-AnchorCacheMachine.TestCase.settings = settings(
+SETTINGS = settings(
     max_examples=200, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestAnchorCache = AnchorCacheMachine.TestCase
+
+
+def test_anchor_cache():
+    """The state machine, then what it covered: a run that never restored a state saved during
+    decode (or never cut a chunk, or never saved in decode) checked nothing about it."""
+    COVERAGE.clear()
+    run_state_machine_as_test(AnchorCacheMachine, settings=SETTINGS)
+    print(f"coverage over {SETTINGS.max_examples} examples: {dict(COVERAGE)}")
+    for name in ("chunk cut at an anchor", "decode anchor saved", "restored from an anchor checkpoint",
+                 "decode-saved prefix admitted without eviction", "restored from a decode anchor checkpoint"):
+        assert COVERAGE[name] >= 1, f"never happened: {name} ({dict(COVERAGE)})"

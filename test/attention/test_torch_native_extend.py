@@ -140,6 +140,12 @@ def run_upstream(args, dv, **kw):
 
 HAS_UPSTREAM_LOOP = hasattr(tnb.TorchNativeAttnBackend, "_run_sdpa_forward_extend")
 
+
+def test_upstream_loop_present():
+    """The comparisons with upstream's loop below run only where it exists: on the pinned
+    upstream (patch 0010 keeps it) it must, or they would stop checking anything silently."""
+    assert HAS_UPSTREAM_LOOP, "TorchNativeAttnBackend._run_sdpa_forward_extend is gone"
+
 # (prefix_lens, extend_lens): prefix 0, extend 1, long prefix + short extend, ...
 BATCHES = [
     ([0, 37, 5, 120, 0, 64], [19, 1, 33, 7, 1, 40]),

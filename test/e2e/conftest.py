@@ -11,7 +11,7 @@ consecutive tests that share a configuration):
 * ``server``: the default tiny Qwen3-Next model, flags of ``make serve``;
 * ``moe_server``: the tiny Qwen3-MoE model;
 * ``small_ctx_server``: the default model with ``--context-length 2048`` (input-limit tests);
-* ``server_pool``: the pool itself, ``server_pool.get(arch, extra_args)`` for anything else.
+* ``server_pool``: the pool itself, ``server_pool.get(arch, extra_args, env)`` for anything else.
 
 Every pooled server also gets ``TEST_SERVER_ARGS``: without ``--max-total-tokens`` the CPU
 engine sizes its KV pool from free RAM (about 12 GB, ~40 s to allocate on a 2-core machine).
@@ -47,15 +47,18 @@ class ServerPool:
         self._srv: Server | None = None
         self._failed: dict[tuple, str] = {}
 
-    def get(self, arch: str = "qwen3_next", extra: list[str] | tuple[str, ...] = ()) -> Server:
-        key = (arch, tuple(extra))
+    def get(self, arch: str = "qwen3_next", extra: list[str] | tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> Server:
+        """The server of ``arch`` with more launch flags ``extra`` and more environment
+        variables ``env`` (part of the configuration: another ``env`` starts another server)."""
+        key = (arch, tuple(extra), tuple(sorted((env or {}).items())))
         if key in self._failed:  # do not wait for a broken configuration once per test
             pytest.fail(f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False)
         if self._key == key and self._srv is not None and self._srv.proc.poll() is None:
             return self._srv
         self.release()
         try:
-            srv = start_server(model_path(arch), [*TEST_SERVER_ARGS, *extra])
+            srv = start_server(model_path(arch), [*TEST_SERVER_ARGS, *extra], env=env)
         except Exception as e:  # noqa: BLE001 - remembered and reported per test
             self._failed[key] = str(e)
             raise

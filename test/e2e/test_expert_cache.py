@@ -5,14 +5,19 @@ For cache sizes from one layer's top-k (8 slots) to the whole pool and for each 
   (``--expert-cache-size 100% --expert-cache-policy fill``): on the CPU the slot side and the
   host-pool side run the same kernel per (token, expert) and sum over k in a fixed order, so
   the split cannot change a bit;
-* the change of MoE kernel is as accurate as the stock MoE path (upstream's torch MoE): both
-  bf16 servers are compared with transformers in float32 on the same prompts. In bf16 these
-  random models are sensitive (measured on the 300-token prompt, qwen3_next / qwen3_moe: mean
-  |error| 0.063 / 0.062 stock vs 0.062 / 0.064 cache; max 0.38 / 0.25 stock vs 0.36 / 0.58
-  cache: the max is one near-tie token and swings either way), so the assertions are relative
-  and robust: the cache's mean error at most 1.25x the stock path's (+0.005), its 95th
-  percentile at most 1.5x (+0.02), and no logprob off by more than 1 nat (what a wrong expert
-  or weight does);
+* the cache is as accurate as upstream's own CPU MoE: on this CPU the stock MoE path is our
+  executor as well (patch 0032, bit-identical to the cache), so the comparison is with
+  upstream's per-expert torch loop (a server with ``SGLANG_CPU_MOE_BACKEND=native``; on a GPU
+  the variable changes nothing and the comparison is with upstream's CUDA MoE); both bf16
+  servers' input logprobs are compared with transformers in float32 on the same checkpoint and
+  prompts. The whole-model error is dominated by bf16 rounding elsewhere and its largest value
+  is a near-tie token that swings either way, so the bounds are relative to the torch loop's
+  own error: mean at most ``MEAN_SLACK`` times, 95th percentile at most ``P95_SLACK`` times,
+  max at most ``MAX_SLACK`` times. A dropped top-k expert (in the cache's wiring or in the
+  executor kernel that the stock path shares), a wrong expert id or router weights off by 5%
+  break the mean bound on both models; the kernel's own precision is
+  checked at the layer level against float64 (``test/cpu_executor/``), below what a whole
+  bf16 model can show;
 * with ``--enable-metrics`` the cache counters are exported and add up.
 """
 from __future__ import annotations
@@ -27,8 +32,10 @@ import torch
 from conftest import model_path
 
 NEW_TOKENS = 16
-STOCK_MEAN_SLACK = 1.25
-STOCK_P95_SLACK = 1.5
+MEAN_SLACK = 1.15
+P95_SLACK = 1.25
+MAX_SLACK = 2.0
+NATIVE = {"SGLANG_CPU_MOE_BACKEND": "native"}  # upstream's per-expert torch loop (cpu_executor.py)
 RESIDENT = ("--expert-cache-size", "100%", "--expert-cache-policy", "fill")
 # One layer's top-k (8 slots) under every miss policy, then larger shares of the pool; the
 # full size x policy grid runs at the layer level (test/expert_cache/test_slot_cache.py).
@@ -87,23 +94,28 @@ _RESULTS: dict = {}
 
 @pytest.fixture
 def results(server_pool):
-    """Outputs of every configuration, per arch: measured once per run (servers started one
-    at a time from the shared pool), then reused by every test of this module."""
-    if not _RESULTS:
-        got = {}
-        for arch in ("qwen3_next", "qwen3_moe"):
-            got[(arch, "stock")] = _run(server_pool.get(arch).url)
-            for config in (RESIDENT, *CONFIGS):
-                got[(arch, config)] = _run(server_pool.get(arch, _cache_args(config)).url)
-        _RESULTS.update(got)  # all or nothing: a failed start fails every test alike
-    return _RESULTS
+    """``results(arch, config)``: the outputs of one configuration (``"native"``: no cache,
+    upstream's torch MoE loop), measured once per run on a server from the shared pool and
+    reused by every test of this module."""
+
+    def get(arch: str, config) -> list[dict]:
+        key = (arch, config)
+        if key not in _RESULTS:
+            if config == "native":
+                srv = server_pool.get(arch, env=NATIVE)
+            else:
+                srv = server_pool.get(arch, _cache_args(config))
+            _RESULTS[key] = _run(srv.url)
+        return _RESULTS[key]
+
+    return get
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_moe"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[1]}-{c[3]}")
 def test_cache_equals_all_resident(results, arch, config):
-    resident = results[(arch, RESIDENT)]
-    got = results[(arch, config)]
+    resident = results(arch, RESIDENT)
+    got = results(arch, config)
     for i, (a, b) in enumerate(zip(resident, got)):
         assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
         assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
@@ -111,31 +123,33 @@ def test_cache_equals_all_resident(results, arch, config):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_moe"])
-def test_all_resident_as_accurate_as_stock_moe(results, arch):
-    """Both bf16 servers against transformers in float32 on the same prompts: the cache's
-    kernel (fp32 accumulation) must be at least about as accurate as the stock MoE path."""
+def test_all_resident_as_accurate_as_upstream_moe(results, arch):
+    """The cache (all resident) and upstream's torch MoE loop, both bf16, against transformers
+    in float32: the cache's input logprobs must be about as close to float32 as the loop's."""
     from transformers import AutoModelForCausalLM
 
-    from server import ensure_model
-
-    hf = AutoModelForCausalLM.from_pretrained(ensure_model(arch), dtype=torch.float32).eval()
-    err = {"stock": [], "resident": []}
+    hf = AutoModelForCausalLM.from_pretrained(model_path(arch), dtype=torch.float32).eval()
+    err = {"native": [], "resident": []}
     for i, ids in enumerate(_prompts()):
         with torch.no_grad():
             lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
         ref = torch.tensor([lp[j - 1, ids[j]].item() for j in range(1, len(ids))])
-        for name, key in (("stock", "stock"), ("resident", RESIDENT)):
-            got = torch.tensor(results[(arch, key)][i]["in_lp"])
+        for name, config in (("native", "native"), ("resident", RESIDENT)):
+            got = torch.tensor(results(arch, config)[i]["in_lp"])
+            assert got.shape == ref.shape, (name, i, got.shape, ref.shape)
             err[name].append((got - ref).abs())
-    stock, resident = torch.cat(err["stock"]), torch.cat(err["resident"])
-    assert resident.mean() <= STOCK_MEAN_SLACK * stock.mean() + 0.005, (
-        f"mean |logprob error| vs float32: cache {resident.mean():.4f}, stock {stock.mean():.4f}"
-    )
+    native, resident = torch.cat(err["native"]), torch.cat(err["resident"])
     p95 = lambda t: torch.quantile(t, 0.95).item()  # noqa: E731
-    assert p95(resident) <= STOCK_P95_SLACK * p95(stock) + 0.02, (
-        f"p95 |logprob error| vs float32: cache {p95(resident):.4f}, stock {p95(stock):.4f}"
-    )
-    assert resident.max() <= 1.0, f"a logprob is off by {resident.max():.3f} nat"
+    figures = (f"|logprob error| vs float32 over {resident.numel()} tokens: mean cache "
+               f"{resident.mean():.4f} / torch loop {native.mean():.4f}, p95 {p95(resident):.4f} / "
+               f"{p95(native):.4f}, max {resident.max():.4f} / {native.max():.4f}")
+    print(figures)
+    assert native.mean() > 0, "the torch loop server matched float32 exactly: not a bf16 run?"
+    # Else the comparison is with the cache's own kernel (the environment variable not applied).
+    assert native.ne(resident).any(), "the torch loop server ran the cache's MoE kernel"
+    assert resident.mean() <= MEAN_SLACK * native.mean(), figures
+    assert p95(resident) <= P95_SLACK * p95(native), figures
+    assert resident.max() <= MAX_SLACK * native.max(), figures
 
 
 def _metric(text: str, name: str) -> float:
@@ -160,11 +174,11 @@ def test_metrics_exported(server_pool):
         )
         assert r.status_code == 200, r.text
     text = requests.get(srv.url + "/metrics", timeout=60).text
-    hits = _metric(text, "sglang:expert_cache_hits_total")
+    _metric(text, "sglang:expert_cache_hits_total")  # exported; 8 slots for 4 layers may hit none
     misses = _metric(text, "sglang:expert_cache_misses_total")
     fills = _metric(text, "sglang:expert_cache_fills_total")
     cpu = _metric(text, "sglang:expert_cache_cpu_experts_total")
-    assert misses > 0 and hits >= 0
+    assert misses > 0
     assert fills + cpu == misses
     assert fills >= 1 and cpu >= 1  # qstar at B_P/B_H = 0.5 does both
     assert _metric(text, "sglang:expert_cache_slots") == 8

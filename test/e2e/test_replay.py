@@ -7,7 +7,9 @@ is POSTed in order, per session, to ONE server of the default tiny model, and mu
 capped at ``agent_replay.DEFAULT_MAX_NEW_TOKENS`` tokens per request.
 
 ``REPLAY_MODEL_PATH`` serves another model folder and ``REPLAY_SERVER_ARGS`` adds launch
-arguments (both optional, for development).
+arguments (both optional, for development). No captured session under ``$TRACES_DIR`` is a
+failure (``test_traces_present``), not a silent skip; ``SGLANG_ALLOW_MISSING_TRACES=1`` makes it
+a skip (as in ``test/tiny_models/conftest.py``).
 
 The unit tests need no server: SSE parsing and stream checks on synthetic streams (including
 malformed ones), prefix arithmetic, body capping and session discovery.
@@ -48,6 +50,14 @@ def _sessions():
 
 
 SESSIONS = _sessions()
+
+
+def test_traces_present():
+    if not SESSIONS:
+        reason = f"no captured sessions under {TRACES_DIR}"
+        if os.environ.get("SGLANG_ALLOW_MISSING_TRACES") == "1":
+            pytest.skip(f"{reason} (SGLANG_ALLOW_MISSING_TRACES=1)")
+        pytest.fail(f"{reason}: set TRACES_DIR, or SGLANG_ALLOW_MISSING_TRACES=1 to skip", pytrace=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -269,7 +269,8 @@ def test_decode_steps_padding_and_threshold(isa):
                 q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], A_log, dt_bias, a[0, i : i + 1],
                 b[0, i : i + 1], init, HV, torch.bfloat16,
             )
-            torch.testing.assert_close(out[:, i : i + 1], o_ref, **F32_TOL if i != 1 else F32_TOL)
+            # float32 activations, so every row (the padded slot's zero-state row too) at F32_TOL
+            torch.testing.assert_close(out[:, i : i + 1], o_ref, **F32_TOL)
             if i in ref_state:
                 ref_state[i] = st
                 torch.testing.assert_close(pool[idx[i]].float(), st, **BF16_TOL)

@@ -3,6 +3,12 @@
 ``sglang.test.tiny_models`` lives in this repository (python/sglang/test/tiny_models) and is
 linked into the installed sglang package by ``scripts/patch_queue.py apply``. When it is not
 linked yet, the package is imported straight from the repository under the same name.
+
+Captured agent traces (``test_traces.py``) are read from ``$TRACES_DIR``, by default
+``../shared/traces`` resolved from the repository root (as ``test/e2e/test_replay.py`` and
+``make bench-replay`` do). Missing traces are a FAILURE, on every machine, so that a moved or
+unmounted folder cannot turn the trace tests into silent skips; set
+``SGLANG_ALLOW_MISSING_TRACES=1`` to skip them instead (a clone without the shared folder).
 """
 
 import importlib
@@ -15,7 +21,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PKG_DIR = REPO / "python" / "sglang" / "test" / "tiny_models"
-TRACES = Path(os.environ.get("SGLANG_TRACES_DIR", "/work/shared/traces"))
+TRACES = Path(os.environ.get("TRACES_DIR", REPO.parent / "shared" / "traces"))
+ALLOW_MISSING_TRACES_ENV = "SGLANG_ALLOW_MISSING_TRACES"
+
+
+def missing_traces(reason: str) -> None:
+    """Fail with ``reason``; skip instead when ``SGLANG_ALLOW_MISSING_TRACES=1``."""
+    if os.environ.get(ALLOW_MISSING_TRACES_ENV) == "1":
+        pytest.skip(f"{reason} ({ALLOW_MISSING_TRACES_ENV}=1)")
+    pytest.fail(f"{reason}: set TRACES_DIR, or {ALLOW_MISSING_TRACES_ENV}=1 to skip", pytrace=False)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -10,7 +10,7 @@ import re
 import types
 
 import pytest
-from conftest import TRACES
+from conftest import TRACES, missing_traces
 
 OPENAI_CLIENTS = ("openclaw", "opencode")
 ALL_CLIENTS = OPENAI_CLIENTS + ("claude_code_custom_model",)
@@ -23,7 +23,12 @@ def trace_files(clients=ALL_CLIENTS):
     return files
 
 
-pytestmark = pytest.mark.skipif(not trace_files(), reason=f"no traces under {TRACES}")
+@pytest.fixture(autouse=True, scope="module")
+def _traces_present():
+    """Every test here fails when a client's traces are missing (see conftest: opt out to skip)."""
+    missing = [c for c in ALL_CLIENTS if not trace_files((c,))]
+    if missing:
+        missing_traces(f"no traces of {', '.join(missing)} under {TRACES}")
 
 
 def to_chat_request(path):
