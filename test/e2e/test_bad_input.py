@@ -5,19 +5,19 @@ over-long prompts are cheap to build. Every case gets a 400 whose message names 
 field as the client sent it (``max_tokens: Input should be a valid integer``, a bad tool
 schema's JSON path, ``tools.N.input_schema`` on /v1/messages), where the JSON stopped parsing,
 or the limit the request broke (the context length); afterwards the process must be alive and
-answer a normal request. ``KNOWN_GAPS`` lists messages that do not name the sent field yet.
+answer a normal request.
 
 Anthropic errors must use the Anthropic error shape and one of its documented error types, and a
 streaming request that is invalid must be refused with a 4xx before any event is sent (as
 /v1/chat/completions does), not with HTTP 200 and an error event inside the stream.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import requests
-
 from e2e_util import SMALL_CONTEXT, TIMEOUT
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 500  # ~6.5k tokens > 2048
@@ -26,8 +26,15 @@ LONG_MSG = [{"role": "user", "content": LONG_TEXT}]
 OBJ_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 ANTHROPIC_ERROR_TYPES = {
-    "invalid_request_error", "authentication_error", "billing_error", "permission_error",
-    "not_found_error", "request_too_large", "rate_limit_error", "timeout_error", "api_error",
+    "invalid_request_error",
+    "authentication_error",
+    "billing_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "timeout_error",
+    "api_error",
     "overloaded_error",
 }
 
@@ -61,100 +68,219 @@ def json_error_at(raw: str) -> str:
 
 
 # (id, path, JSON body or raw string, what the message must contain: the offending field as the
-# client sent it, or the limit it broke). A case marked GAP gets a message that does not name
-# the field the client sent; it asserts what the message does say, and the field it should
-# name is listed in KNOWN_GAPS (checked there as an expected failure).
+# client sent it, or the limit it broke).
 CASES = [
     # --- OpenAI chat ---
     ("chat-malformed-json", CHAT, BAD_JSON, [json_error_at(BAD_JSON)]),
-    ("chat-messages-string", CHAT, chat_body(messages="Hi"), ["messages: Input should be a valid list"]),
-    ("chat-max-tokens-string", CHAT, chat_body(max_tokens="lots"), ["max_tokens: Input should be a valid integer"]),
-    # GAP: names the internal sampling parameter max_new_tokens, not max_tokens.
-    ("chat-max-tokens-negative", CHAT, chat_body(max_tokens=-1), ["at least 0, got -1"]),
-    ("chat-temperature-string", CHAT, chat_body(temperature="hot"), ["temperature: Input should be a valid number"]),
+    (
+        "chat-messages-string",
+        CHAT,
+        chat_body(messages="Hi"),
+        ["messages: Input should be a valid list"],
+    ),
+    (
+        "chat-max-tokens-string",
+        CHAT,
+        chat_body(max_tokens="lots"),
+        ["max_tokens: Input should be a valid integer"],
+    ),
+    (
+        "chat-max-tokens-negative",
+        CHAT,
+        chat_body(max_tokens=-1),
+        ["max_tokens must be at least 0, got -1"],
+    ),
+    (
+        "chat-temperature-string",
+        CHAT,
+        chat_body(temperature="hot"),
+        ["temperature: Input should be a valid number"],
+    ),
     ("chat-empty-messages", CHAT, chat_body(messages=[]), ["Messages cannot be empty"]),
-    ("chat-unknown-role", CHAT, chat_body(messages=[{"role": "wizard", "content": "x"}]),
-     ["messages.0.", ".role: ", "'role' must be one of"]),
+    (
+        "chat-unknown-role",
+        CHAT,
+        chat_body(messages=[{"role": "wizard", "content": "x"}]),
+        ["messages.0.", ".role: ", "'role' must be one of"],
+    ),
     ("chat-tools-string", CHAT, chat_body(tools="f"), ["tools: Input should be a valid list"]),
-    ("chat-tool-without-function", CHAT, chat_body(tools=[{"type": "function"}]), ["tools.0.function: Field required"]),
-    ("chat-tool-parameters-string", CHAT, chat_body(tools=[tool("notadict")]),
-     ["Tool 0 function has invalid 'parameters' schema at $: "]),
-    ("chat-tool-properties-string", CHAT, chat_body(tools=[tool({"type": "object", "properties": "x"})]),
-     ["Tool 0 function has invalid 'parameters' schema at $.properties: "]),
-    ("chat-tool-bad-schema-type", CHAT, chat_body(
-        tools=[tool({"type": "object", "properties": {"a": {"type": "nonsense"}}})],
-        tool_choice="required", chat_template_kwargs={"enable_thinking": False}),
-     ["Tool 0 function has invalid 'parameters' schema at $.properties.a.type: "]),
-    ("chat-tool-bad-schema-type-auto", CHAT, chat_body(  # validated without a tool_choice too
-        tools=[tool({"type": "object", "properties": {"a": {"type": "nonsense"}}})]),
-     ["Tool 0 function has invalid 'parameters' schema at $.properties.a.type: "]),
-    # GAP: names the tool ('nope') but not the field, tool_choice.
-    ("chat-tool-choice-unknown-tool", CHAT, chat_body(
-        tools=[OBJ_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
-     ["'nope' not found in tools"]),
-    ("chat-tool-choice-bad-string", CHAT, chat_body(tools=[OBJ_TOOL], tool_choice="sometimes"),
-     ["tool_choice.", "'auto', 'required' or 'none'"]),
-    # GAP (prose): "tool choice", not the field name tool_choice.
-    ("chat-tool-choice-required-without-tools", CHAT, chat_body(tool_choice="required"),
-     ["Tools cannot be empty", "required"]),
-    # GAP: the client sent max_tokens; the message names max_completion_tokens.
-    ("chat-max-tokens-over-context", CHAT, chat_body(max_tokens=100_000),
-     ["is too large: 100000", f"at most {CTX} completion tokens"]),
-    ("chat-max-completion-tokens-over-context", CHAT, chat_body(max_completion_tokens=100_000),
-     ["max_completion_tokens is too large: 100000", f"at most {CTX} completion tokens"]),
-    ("chat-prompt-plus-max-tokens-over-context", CHAT, chat_body(max_tokens=SMALL_CONTEXT - 8),
-     [f"maximum context length of {CTX} tokens", f"{SMALL_CONTEXT - 8} tokens for the completion"]),
+    (
+        "chat-tool-without-function",
+        CHAT,
+        chat_body(tools=[{"type": "function"}]),
+        ["tools.0.function: Field required"],
+    ),
+    (
+        "chat-tool-parameters-string",
+        CHAT,
+        chat_body(tools=[tool("notadict")]),
+        ["Tool 0 function has invalid 'parameters' schema at $: "],
+    ),
+    (
+        "chat-tool-properties-string",
+        CHAT,
+        chat_body(tools=[tool({"type": "object", "properties": "x"})]),
+        ["Tool 0 function has invalid 'parameters' schema at $.properties: "],
+    ),
+    (
+        "chat-tool-bad-schema-type",
+        CHAT,
+        chat_body(
+            tools=[tool({"type": "object", "properties": {"a": {"type": "nonsense"}}})],
+            tool_choice="required",
+            chat_template_kwargs={"enable_thinking": False},
+        ),
+        ["Tool 0 function has invalid 'parameters' schema at $.properties.a.type: "],
+    ),
+    (
+        "chat-tool-bad-schema-type-auto",
+        CHAT,
+        chat_body(  # validated without a tool_choice too
+            tools=[tool({"type": "object", "properties": {"a": {"type": "nonsense"}}})]
+        ),
+        ["Tool 0 function has invalid 'parameters' schema at $.properties.a.type: "],
+    ),
+    (
+        "chat-tool-choice-unknown-tool",
+        CHAT,
+        chat_body(tools=[OBJ_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        ["tool_choice: ", "'nope' not found in tools"],
+    ),
+    (
+        "chat-tool-choice-bad-string",
+        CHAT,
+        chat_body(tools=[OBJ_TOOL], tool_choice="sometimes"),
+        ["tool_choice.", "'auto', 'required' or 'none'"],
+    ),
+    (
+        "chat-tool-choice-required-without-tools",
+        CHAT,
+        chat_body(tool_choice="required"),
+        ["tool_choice: ", "Tools cannot be empty", "required"],
+    ),
+    (
+        "chat-max-tokens-over-context",
+        CHAT,
+        chat_body(max_tokens=100_000),
+        ["max_tokens is too large: 100000. ", f"at most {CTX} completion tokens"],
+    ),
+    (
+        "chat-max-completion-tokens-over-context",
+        CHAT,
+        chat_body(max_completion_tokens=100_000),
+        ["max_completion_tokens is too large: 100000", f"at most {CTX} completion tokens"],
+    ),
+    (
+        "chat-prompt-plus-max-tokens-over-context",
+        CHAT,
+        chat_body(max_tokens=SMALL_CONTEXT - 8),
+        [
+            f"maximum context length of {CTX} tokens",
+            f"{SMALL_CONTEXT - 8} tokens for the completion",
+        ],
+    ),
     ("chat-prompt-over-context", CHAT, chat_body(messages=LONG_MSG), [TOO_LONG]),
-    ("chat-prompt-over-context-stream", CHAT, chat_body(messages=LONG_MSG, stream=True), [TOO_LONG]),
+    (
+        "chat-prompt-over-context-stream",
+        CHAT,
+        chat_body(messages=LONG_MSG, stream=True),
+        [TOO_LONG],
+    ),
     # --- Anthropic messages ---
     ("messages-malformed-json", MESSAGES, BAD_JSON, [json_error_at(BAD_JSON)]),
-    ("messages-messages-string", MESSAGES, anth_body(messages="Hi"), ["messages: Input should be a valid list"]),
-    ("messages-max-tokens-string", MESSAGES, anth_body(max_tokens="lots"),
-     ["max_tokens: Input should be a valid integer"]),
-    ("messages-max-tokens-missing", MESSAGES, {"model": "default", "messages": MSG}, ["max_tokens: Field required"]),
-    ("messages-unknown-block-type", MESSAGES, anth_body(
-        messages=[{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]),
-     ["messages.0.content", "'bogus'"]),
-    # GAP (minor): the path carries pydantic's union tag, tools.0.custom.input_schema, where
-    # patch 0026 names a bad schema tools.0.input_schema.
-    ("messages-input-schema-string", MESSAGES, anth_body(tools=[{"name": "f", "input_schema": "x"}]),
-     ["tools.0.", "input_schema: Input should be a valid dictionary"]),
-    ("messages-input-schema-bad-type", MESSAGES, anth_body(
-        tools=[{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}]),
-     ["tools.0.input_schema is not a valid JSON Schema at $.properties.a.type: "]),
-    ("messages-tool-choice-unknown-tool", MESSAGES, anth_body(
-        tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool", "name": "nope"}),
-     ["tool_choice", "'nope'"]),
-    ("messages-thinking-enabled-without-budget", MESSAGES, anth_body(thinking={"type": "enabled"}),
-     ["thinking.budget_tokens is required"]),
-    # GAP: /v1/messages was sent max_tokens; the message names the converted request's
-    # max_completion_tokens (as patch 0026 fixed for input_schema).
-    ("messages-max-tokens-over-context", MESSAGES, anth_body(max_tokens=100_000),
-     ["is too large: 100000", f"at most {CTX} completion tokens"]),
+    (
+        "messages-messages-string",
+        MESSAGES,
+        anth_body(messages="Hi"),
+        ["messages: Input should be a valid list"],
+    ),
+    (
+        "messages-max-tokens-string",
+        MESSAGES,
+        anth_body(max_tokens="lots"),
+        ["max_tokens: Input should be a valid integer"],
+    ),
+    (
+        "messages-max-tokens-missing",
+        MESSAGES,
+        {"model": "default", "messages": MSG},
+        ["max_tokens: Field required"],
+    ),
+    (
+        "messages-unknown-block-type",
+        MESSAGES,
+        anth_body(messages=[{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]),
+        ["messages.0.content", "'bogus'"],
+    ),
+    (
+        "messages-input-schema-string",
+        MESSAGES,
+        anth_body(tools=[{"name": "f", "input_schema": "x"}]),
+        ["tools.0.input_schema: Input should be a valid dictionary"],
+    ),
+    (
+        "messages-input-schema-bad-type",
+        MESSAGES,
+        anth_body(
+            tools=[
+                {
+                    "name": "f",
+                    "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                }
+            ]
+        ),
+        ["tools.0.input_schema is not a valid JSON Schema at $.properties.a.type: "],
+    ),
+    (
+        "messages-tool-choice-unknown-tool",
+        MESSAGES,
+        anth_body(
+            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "tool", "name": "nope"},
+        ),
+        ["tool_choice", "'nope'"],
+    ),
+    (
+        "messages-thinking-enabled-without-budget",
+        MESSAGES,
+        anth_body(thinking={"type": "enabled"}),
+        ["thinking.budget_tokens is required"],
+    ),
+    (
+        "messages-max-tokens-over-context",
+        MESSAGES,
+        anth_body(max_tokens=100_000),
+        ["max_tokens is too large: 100000. ", f"at most {CTX} completion tokens"],
+    ),
     ("messages-prompt-over-context", MESSAGES, anth_body(messages=LONG_MSG), [TOO_LONG]),
-    ("messages-prompt-over-context-stream", MESSAGES, anth_body(messages=LONG_MSG, stream=True), [TOO_LONG]),
+    (
+        "messages-prompt-over-context-stream",
+        MESSAGES,
+        anth_body(messages=LONG_MSG, stream=True),
+        [TOO_LONG],
+    ),
     # --- native and legacy completions ---
     ("generate-malformed-json", "/generate", '{"text": "hi", ', [json_error_at('{"text": "hi", ')]),
-    ("generate-prompt-over-context", "/generate", {"text": LONG_TEXT, "sampling_params": {"max_new_tokens": 4}},
-     [TOO_LONG]),
-    ("generate-max-new-tokens-over-context", "/generate",
-     {"text": "hi", "sampling_params": {"max_new_tokens": 100_000}},
-     [f"maximum context length of {CTX} tokens", "100000 tokens for the completion"]),
-    ("completions-prompt-over-context", "/v1/completions", {"model": "default", "prompt": LONG_TEXT, "max_tokens": 4},
-     [TOO_LONG]),
+    (
+        "generate-prompt-over-context",
+        "/generate",
+        {"text": LONG_TEXT, "sampling_params": {"max_new_tokens": 4}},
+        [TOO_LONG],
+    ),
+    (
+        "generate-max-new-tokens-over-context",
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 100_000}},
+        [f"maximum context length of {CTX} tokens", "100000 tokens for the completion"],
+    ),
+    (
+        "completions-prompt-over-context",
+        "/v1/completions",
+        {"model": "default", "prompt": LONG_TEXT, "max_tokens": 4},
+        [TOO_LONG],
+    ),
 ]
 CASE_BY_ID = {c[0]: c for c in CASES}
-
-# Cases whose message does not name the field the client sent: (case id, what it should contain).
-# Expected failures (strict): when the messages are fixed, these pass and must move into CASES.
-KNOWN_GAPS = [
-    ("chat-max-tokens-negative", "max_tokens"),
-    ("chat-tool-choice-unknown-tool", "tool_choice"),
-    ("chat-tool-choice-required-without-tools", "tool_choice"),
-    ("chat-max-tokens-over-context", "max_tokens is too large"),
-    ("messages-max-tokens-over-context", "max_tokens is too large"),
-    ("messages-input-schema-string", "tools.0.input_schema"),
-]
 
 
 def error_message(path: str, payload) -> str:
@@ -181,7 +307,11 @@ def still_serves(srv) -> None:
 def post_case(srv, path, body) -> tuple[requests.Response, str]:
     """POST a case; (response, its error message), checking the error shape."""
     stream = isinstance(body, dict) and bool(body.get("stream"))
-    kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
+    kw = (
+        {"data": body, "headers": {"Content-Type": "application/json"}}
+        if isinstance(body, str)
+        else {"json": body}
+    )
     r = requests.post(srv.url + path, timeout=TIMEOUT, stream=stream, **kw)
     text = r.text[:1500]
     assert 400 <= r.status_code < 500, f"expected a 4xx, got {r.status_code}: {text}"
@@ -212,16 +342,15 @@ def test_bad_request(small_ctx_server, path, body, names):
     still_serves(srv)
 
 
-@pytest.mark.parametrize("case_id, wanted", KNOWN_GAPS, ids=[g[0] for g in KNOWN_GAPS])
-@pytest.mark.xfail(strict=True, reason="the message does not name the field the client sent (see KNOWN_GAPS)")
-def test_known_gap_names_the_sent_field(small_ctx_server, case_id, wanted):
-    _, path, body, _ = CASE_BY_ID[case_id]
-    _, message = post_case(small_ctx_server, path, body)
-    assert wanted in message, message
-
-
-@pytest.mark.parametrize("generic", ["Bad request", "Invalid request", "Input should be a valid list",
-                                     "The request is invalid: 400"])
+@pytest.mark.parametrize(
+    "generic",
+    [
+        "Bad request",
+        "Invalid request",
+        "Input should be a valid list",
+        "The request is invalid: 400",
+    ],
+)
 def test_expectations_reject_a_generic_message(generic):
     """No server: every case's expectation fails a message that names nothing in particular."""
     for case_id, _, _, names in CASES:
