@@ -16,6 +16,7 @@ and last:
 
     anchor_cuts tokens=L cuts=C predicted_cuts=P plain_cuts=0 ttft_plain=.. ttft_cuts=.. prefill_tok_s_plain=.. prefill_tok_s_cuts=.. ms_per_cut=..
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,35 @@ sys.path.insert(0, str(REPO / "test" / "e2e"))
 
 def prompts(tok, tokens: int, block: int) -> tuple[list[int], list[int]]:
     """(marker prompt, plain prompt) of ``tokens`` tokens each."""
-    ids = {t: tok.convert_tokens_to_ids(t) for t in
-           ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")}
-    words = tok.encode(" alpha beta gamma delta file line value agent tool result", add_special_tokens=False)
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in (
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+        )
+    }
+    words = tok.encode(
+        " alpha beta gamma delta file line value agent tool result", add_special_tokens=False
+    )
     body = lambda n: [words[i % len(words)] for i in range(n)]  # noqa: E731
     marked: list[int] = []
     while len(marked) < tokens:
         q = max(block // 3, 1)
-        marked += [ids["<|im_start|>"], *body(q), ids["<think>"], *body(q), ids["</think>"],
-                   ids["<tool_call>"], *body(q), ids["</tool_call>"], ids["<|im_end|>"]]
+        marked += [
+            ids["<|im_start|>"],
+            *body(q),
+            ids["<think>"],
+            *body(q),
+            ids["</think>"],
+            ids["<tool_call>"],
+            *body(q),
+            ids["</tool_call>"],
+            ids["<|im_end|>"],
+        ]
     marked = marked[:tokens]
     return marked, body(tokens)
 
@@ -54,7 +75,9 @@ def anchor_saves(url: str) -> float:
     text = requests.get(url + "/metrics", timeout=60).text
     got = {}
     for name in ("saved", "saved_decode"):
-        m = re.search(rf"^sglang:anchor_checkpoints_{name}_total(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        m = re.search(
+            rf"^sglang:anchor_checkpoints_{name}_total(?:\{{[^}}]*\}})? (\S+)$", text, re.M
+        )
         got[name] = float(m.group(1)) if m else 0.0  # a counter appears at its first increment
     return got["saved"] - got["saved_decode"]
 
@@ -66,8 +89,11 @@ def ttft(url: str, ids: list[int]) -> tuple[float, int]:
     flush_cache(url)  # retried while the server finishes the previous request
     before = anchor_saves(url)
     t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json={
-        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}, timeout=1800)
+    r = requests.post(
+        url + "/generate",
+        json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}},
+        timeout=1800,
+    )
     r.raise_for_status()
     took = time.perf_counter() - t0
     assert r.json()["meta_info"]["cached_tokens"] == 0
@@ -75,7 +101,9 @@ def ttft(url: str, ids: list[int]) -> tuple[float, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--block", type=int, default=96, help="tokens per marker-delimited turn")
     ap.add_argument("--reps", type=int, default=3)
@@ -101,8 +129,11 @@ def main(argv=None) -> int:
         predicted += nxt is not None
         pos = nxt if nxt is not None else pos + n
 
-    srv = server.start_server(model, shlex.split(args.server_args)
-                              + ["--anchor-checkpoint-min-gap", str(args.min_gap), "--enable-metrics"])
+    srv = server.start_server(
+        model,
+        shlex.split(args.server_args)
+        + ["--anchor-checkpoint-min-gap", str(args.min_gap), "--enable-metrics"],
+    )
     try:
         ttft(srv.url, plain[:200])  # warm up
         times = {"plain": [], "cuts": []}
@@ -112,7 +143,9 @@ def main(argv=None) -> int:
                 t, c = ttft(srv.url, ids)
                 times[name].append(t)
                 counted[name].append(c)
-                print(f"rep={rep} prompt={name} tokens={len(ids)} ttft={t:.2f}s cuts={c}", flush=True)
+                print(
+                    f"rep={rep} prompt={name} tokens={len(ids)} ttft={t:.2f}s cuts={c}", flush=True
+                )
     finally:
         srv.stop()
     # Cold prefills of one prompt are cut alike; a rep that differs is reported, not hidden.

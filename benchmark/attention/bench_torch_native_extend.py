@@ -30,16 +30,31 @@ s = a.prefix + a.extend
 k = torch.randn(s, a.kv_heads, a.head_dim, dtype=dt)
 v = torch.randn_like(k)
 q = torch.randn(a.extend, a.heads, a.head_dim, dtype=dt)
-t = lambda x: torch.tensor([x])
-args = dict(query=q, k_cache=k, v_cache=v, req_to_token=torch.arange(s).unsqueeze(0),
-            req_pool_indices=t(0), seq_lens=t(s), extend_prefix_lens=t(a.prefix),
-            extend_seq_lens=t(a.extend), scaling=a.head_dim**-0.5,
-            enable_gqa=a.heads != a.kv_heads, causal=True)
+
+
+def t(x):
+    return torch.tensor([x])
+
+
+args = dict(
+    query=q,
+    k_cache=k,
+    v_cache=v,
+    req_to_token=torch.arange(s).unsqueeze(0),
+    req_pool_indices=t(0),
+    seq_lens=t(s),
+    extend_prefix_lens=t(a.prefix),
+    extend_seq_lens=t(a.extend),
+    scaling=a.head_dim**-0.5,
+    enable_gqa=a.heads != a.kv_heads,
+    causal=True,
+)
 
 
 def run_old():
     return tnb.TorchNativeAttnBackend._run_sdpa_forward_extend(
-        backend, output=torch.empty_like(q), **args)
+        backend, output=torch.empty_like(q), **args
+    )
 
 
 def run_new():
@@ -59,7 +74,9 @@ for _ in range(a.reps):
         times[name].append(time.perf_counter() - t0)
 t_old, t_new = statistics.median(times["old"]), statistics.median(times["new"])
 speedup = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
-print(f"attention_extend prefix={a.prefix} extend={a.extend} heads={a.heads} kv_heads={a.kv_heads} "
-      f"head_dim={a.head_dim} dtype={a.dtype} threads={torch.get_num_threads()} reps={a.reps} "
-      f"upstream_ms={t_old*1e3:.1f} new_rows_ms={t_new*1e3:.1f} speedup={speedup:.2f} "
-      f"max_abs_diff={(o_old.float()-o_new.float()).abs().max():.2e}")
+print(
+    f"attention_extend prefix={a.prefix} extend={a.extend} heads={a.heads} kv_heads={a.kv_heads} "
+    f"head_dim={a.head_dim} dtype={a.dtype} threads={torch.get_num_threads()} reps={a.reps} "
+    f"upstream_ms={t_old * 1e3:.1f} new_rows_ms={t_new * 1e3:.1f} speedup={speedup:.2f} "
+    f"max_abs_diff={(o_old.float() - o_new.float()).abs().max():.2e}"
+)

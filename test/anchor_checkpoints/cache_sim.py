@@ -15,6 +15,7 @@ for a hybrid model on the no-buffer strategy, with upstream's own functions wher
 
 State contents are not computed (no model): these tests are about which slots are held.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -54,35 +55,67 @@ def toy_scanner() -> AnchorScanner:
 class CacheSim:
     """Tiny pools + ``AnchorRadixCache`` + the scheduler steps of module doc."""
 
-    def __init__(self, *, state_slots: int = 10, kv_slots: int = 160, rows: int = 4,
-                 min_gap: int = 3, max_states: int = -1, context: int = 128) -> None:
+    def __init__(
+        self,
+        *,
+        state_slots: int = 10,
+        kv_slots: int = 160,
+        rows: int = 4,
+        min_gap: int = 3,
+        max_states: int = -1,
+        context: int = 128,
+    ) -> None:
         sa = ServerArgs(model_path="dummy", page_size=1)
         sa._mamba_cache_chunk_size = 64  # no HF config to read it from
         set_global_server_args_for_scheduler(sa)
         layers = [0, 1, 2]
         with envs.SGLANG_MAMBA_SSM_DTYPE.override("float32"):
             shape = Mamba2StateShape.create(
-                tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=16,
-                state_size=8, conv_kernel=4,
+                tp_world_size=1,
+                intermediate_size=32,
+                n_groups=1,
+                num_heads=2,
+                head_dim=16,
+                state_size=8,
+                conv_kernel=4,
             )
             cache_params = Mamba2CacheParams(shape=shape, layers=layers)
         self.pool = HybridReqToTokenPool(
-            size=rows, mamba_size=state_slots, mamba_spec_state_size=rows,
-            max_context_len=context, device="cpu", enable_memory_saver=False,
-            cache_params=cache_params, mamba_layer_ids=layers, enable_mamba_extra_buffer=False,
+            size=rows,
+            mamba_size=state_slots,
+            mamba_spec_state_size=rows,
+            max_context_len=context,
+            device="cpu",
+            enable_memory_saver=False,
+            cache_params=cache_params,
+            mamba_layer_ids=layers,
+            enable_mamba_extra_buffer=False,
             speculative_num_draft_tokens=3,
         )
         kv = HybridLinearKVPool(
-            size=kv_slots, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
-            full_attention_layer_ids=[3], device="cpu", enable_memory_saver=False,
+            size=kv_slots,
+            dtype=torch.bfloat16,
+            page_size=1,
+            head_num=1,
+            head_dim=8,
+            full_attention_layer_ids=[3],
+            device="cpu",
+            enable_memory_saver=False,
             mamba_pool=self.pool.mamba_pool,
         )
         self.allocator = TokenToKVPoolAllocator(
-            size=kv_slots, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False,
+            size=kv_slots,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=kv,
+            need_sort=False,
         )
         params = CacheInitParams(
-            req_to_token_pool=self.pool, token_to_kv_pool_allocator=self.allocator, page_size=1,
-            disable=False, tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+            req_to_token_pool=self.pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=1,
+            disable=False,
+            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
             enable_mamba_extra_buffer=False,
         )
         self.state_slots, self.kv_slots, self.rows = state_slots, kv_slots, rows
@@ -113,7 +146,9 @@ class CacheSim:
         if len(self.running) >= min(self.rows - 1, self.state_slots // 3):
             return None
         req = Req(
-            rid=f"r{next(self._rid)}", origin_input_text="", origin_input_ids=array("q", prompt),
+            rid=f"r{next(self._rid)}",
+            origin_input_text="",
+            origin_input_ids=array("q", prompt),
             sampling_params=SamplingParams(temperature=0, max_new_tokens=8),
         )
         req.init_next_round_input(self.cache)  # match + copy-on-write state slot

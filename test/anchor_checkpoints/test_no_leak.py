@@ -26,18 +26,24 @@ the tree (every chunk end, every decode anchor saved, every finished request's k
   (a chunk cut or a decode step); every cut is an anchor at least ``min_gap`` tokens after the
   chunk start, every decode save an anchor at least ``min_gap`` tokens after the last save.
 """
+
 from __future__ import annotations
 
 from array import array
 from collections import Counter
 
 import hypothesis.strategies as st
+from cache_sim import B_GT, B_LT, CLOSE, OPEN, VOCAB, CacheSim, toy_scanner
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
 
-from cache_sim import B_GT, B_LT, CLOSE, OPEN, VOCAB, CacheSim, toy_scanner
 from sglang.srt.mem_cache.anchor_checkpoints.planner import TAIL_TOKENS
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -71,11 +77,19 @@ def blocks(draw) -> list[int]:
 
 
 class AnchorCacheMachine(RuleBasedStateMachine):
-    @initialize(state_slots=st.integers(6, 12), kv_slots=st.integers(80, 200),
-                max_states=st.sampled_from([-1, 3]))
+    @initialize(
+        state_slots=st.integers(6, 12),
+        kv_slots=st.integers(80, 200),
+        max_states=st.sampled_from([-1, 3]),
+    )
     def setup(self, state_slots, kv_slots, max_states):
-        self.sim = CacheSim(state_slots=state_slots, kv_slots=kv_slots, rows=4, min_gap=MIN_GAP,
-                            max_states=max_states)
+        self.sim = CacheSim(
+            state_slots=state_slots,
+            kv_slots=kv_slots,
+            rows=4,
+            min_gap=MIN_GAP,
+            max_states=max_states,
+        )
         self.prompts: list[list[int]] = []
         self.saved: set[tuple[int, ...]] = set()
         self.saved_at_anchors: set[tuple[int, ...]] = set()
@@ -91,8 +105,11 @@ class AnchorCacheMachine(RuleBasedStateMachine):
             # Edit right at a block boundary (as harnesses do), or anywhere.
             at_anchor = toy_scanner().scan(base).tolist()
             keep = data.draw(
-                st.sampled_from(at_anchor) if at_anchor and data.draw(st.booleans(), label="at anchor")
-                else st.integers(0, len(base)), label="keep")
+                st.sampled_from(at_anchor)
+                if at_anchor and data.draw(st.booleans(), label="at anchor")
+                else st.integers(0, len(base)),
+                label="keep",
+            )
             prompt = base[:keep] + data.draw(blocks(), label="new blocks")
         else:
             prompt = data.draw(blocks(), label="prompt")
@@ -104,8 +121,10 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         """A request that extends a state saved during decode (the next turn of a harness that
         resends the generated text): the admission must restore that decode anchor checkpoint
         (or a longer saved prefix) unless something was evicted since it was saved."""
-        prefix = data.draw(st.sampled_from(sorted(p for p in self.saved_in_decode if len(p) < CONTEXT)),
-                           label="decode-saved prefix")
+        prefix = data.draw(
+            st.sampled_from(sorted(p for p in self.saved_in_decode if len(p) < CONTEXT)),
+            label="decode-saved prefix",
+        )
         prompt = [*prefix, *data.draw(blocks(), label="new blocks")][:CONTEXT]
         lossless = self.saved_in_decode[prefix] == self.sim.evictions
         req = self._admit(prompt, budget)  # may evict, but not the prefix it matched and locked
@@ -156,10 +175,16 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         self.saved.add(tuple(req.origin_input_ids[:end]))
 
     @precondition(lambda self: any(not self.sim.prefilling(r) for r in self.sim.running))
-    @rule(data=st.data(), tokens=st.lists(
-        st.one_of(TEXT, st.sampled_from([OPEN, CLOSE, B_LT, B_GT])), min_size=1, max_size=8))
+    @rule(
+        data=st.data(),
+        tokens=st.lists(
+            st.one_of(TEXT, st.sampled_from([OPEN, CLOSE, B_LT, B_GT])), min_size=1, max_size=8
+        ),
+    )
     def decode(self, data, tokens):
-        req = data.draw(st.sampled_from([r for r in self.sim.running if not self.sim.prefilling(r)]))
+        req = data.draw(
+            st.sampled_from([r for r in self.sim.running if not self.sim.prefilling(r)])
+        )
         for token in tokens:
             before = req.kv.cache_protected_len
             if not self.sim.decode(req, token):
@@ -182,7 +207,9 @@ class AnchorCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(not self.sim.prefilling(r) for r in self.sim.running))
     @rule(data=st.data())
     def finish(self, data):
-        req = data.draw(st.sampled_from([r for r in self.sim.running if not self.sim.prefilling(r)]))
+        req = data.draw(
+            st.sampled_from([r for r in self.sim.running if not self.sim.prefilling(r)])
+        )
         ids = list(req.origin_input_ids) + list(req.output_ids)
         up_to = self.sim.finish(req)
         self.saved.add(tuple(ids[:up_to]))
@@ -215,7 +242,9 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         p = got.device_prefix_len
         assert p == 0 or tuple(probe[:p]) in self.saved, (p, probe)
         if not self.sim.evicted_any:
-            best = max((q for q in range(1, len(probe) + 1) if tuple(probe[:q]) in self.saved), default=0)
+            best = max(
+                (q for q in range(1, len(probe) + 1) if tuple(probe[:q]) in self.saved), default=0
+            )
             assert p == best, (p, best, probe)
 
     # ---- invariants -----------------------------------------------------------------------
@@ -228,7 +257,10 @@ class AnchorCacheMachine(RuleBasedStateMachine):
         assert held_by_reqs == len(self.sim.running)
         tree = self.sim.tree_states()
         assert self.sim.state_slots_in_use() == len(tree) + held_by_reqs, (
-            self.sim.state_slots_in_use(), len(tree), held_by_reqs)
+            self.sim.state_slots_in_use(),
+            len(tree),
+            held_by_reqs,
+        )
         req_slots = {int(r.kv.mamba_pool_idx) for r in self.sim.running}
         assert not (req_slots & tree), "a running request shares a slot with the tree"
 
@@ -258,7 +290,9 @@ class AnchorCacheMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=200, stateful_step_count=50, deadline=None,
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
@@ -269,6 +303,11 @@ def test_anchor_cache():
     COVERAGE.clear()
     run_state_machine_as_test(AnchorCacheMachine, settings=SETTINGS)
     print(f"coverage over {SETTINGS.max_examples} examples: {dict(COVERAGE)}")
-    for name in ("chunk cut at an anchor", "decode anchor saved", "restored from an anchor checkpoint",
-                 "decode-saved prefix admitted without eviction", "restored from a decode anchor checkpoint"):
+    for name in (
+        "chunk cut at an anchor",
+        "decode anchor saved",
+        "restored from an anchor checkpoint",
+        "decode-saved prefix admitted without eviction",
+        "restored from a decode anchor checkpoint",
+    ):
         assert COVERAGE[name] >= 1, f"never happened: {name} ({dict(COVERAGE)})"

@@ -146,6 +146,7 @@ def test_upstream_loop_present():
     upstream (patch 0010 keeps it) it must, or they would stop checking anything silently."""
     assert HAS_UPSTREAM_LOOP, "TorchNativeAttnBackend._run_sdpa_forward_extend is gone"
 
+
 # (prefix_lens, extend_lens): prefix 0, extend 1, long prefix + short extend, ...
 BATCHES = [
     ([0, 37, 5, 120, 0, 64], [19, 1, 33, 7, 1, 40]),

@@ -19,13 +19,13 @@ engine sizes its KV pool from free RAM (about 12 GB, ~40 s to allocate on a 2-co
 Development overrides: ``E2E_MODEL_QWEN3_NEXT`` / ``E2E_MODEL_QWEN3_MOE`` point an arch at another
 model folder; ``PYTHON`` (read by scripts/serve.sh) runs the server from another interpreter.
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
-
 from e2e_util import SMALL_CONTEXT
 from server import Server, ensure_model, start_server
 
@@ -47,13 +47,19 @@ class ServerPool:
         self._srv: Server | None = None
         self._failed: dict[tuple, str] = {}
 
-    def get(self, arch: str = "qwen3_next", extra: list[str] | tuple[str, ...] = (),
-            env: dict[str, str] | None = None) -> Server:
+    def get(
+        self,
+        arch: str = "qwen3_next",
+        extra: list[str] | tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> Server:
         """The server of ``arch`` with more launch flags ``extra`` and more environment
         variables ``env`` (part of the configuration: another ``env`` starts another server)."""
         key = (arch, tuple(extra), tuple(sorted((env or {}).items())))
         if key in self._failed:  # do not wait for a broken configuration once per test
-            pytest.fail(f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False)
+            pytest.fail(
+                f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False
+            )
         if self._key == key and self._srv is not None and self._srv.proc.poll() is None:
             return self._srv
         self.release()

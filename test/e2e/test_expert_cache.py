@@ -20,6 +20,7 @@ For cache sizes from one layer's top-k (8 slots) to the whole pool and for each 
   bf16 model can show;
 * with ``--enable-metrics`` the cache counters are exported and add up.
 """
+
 from __future__ import annotations
 
 import json
@@ -140,9 +141,11 @@ def test_all_resident_as_accurate_as_upstream_moe(results, arch):
             err[name].append((got - ref).abs())
     native, resident = torch.cat(err["native"]), torch.cat(err["resident"])
     p95 = lambda t: torch.quantile(t, 0.95).item()  # noqa: E731
-    figures = (f"|logprob error| vs float32 over {resident.numel()} tokens: mean cache "
-               f"{resident.mean():.4f} / torch loop {native.mean():.4f}, p95 {p95(resident):.4f} / "
-               f"{p95(native):.4f}, max {resident.max():.4f} / {native.max():.4f}")
+    figures = (
+        f"|logprob error| vs float32 over {resident.numel()} tokens: mean cache "
+        f"{resident.mean():.4f} / torch loop {native.mean():.4f}, p95 {p95(resident):.4f} / "
+        f"{p95(native):.4f}, max {resident.max():.4f} / {native.max():.4f}"
+    )
     print(figures)
     assert native.mean() > 0, "the torch loop server matched float32 exactly: not a bf16 run?"
     # Else the comparison is with the cache's own kernel (the environment variable not applied).

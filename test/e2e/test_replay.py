@@ -14,6 +14,7 @@ a skip (as in ``test/tiny_models/conftest.py``).
 The unit tests need no server: SSE parsing and stream checks on synthetic streams (including
 malformed ones), prefix arithmetic, body capping and session discovery.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from server import REPO, ensure_model, start_server
 
 try:
@@ -57,7 +57,9 @@ def test_traces_present():
         reason = f"no captured sessions under {TRACES_DIR}"
         if os.environ.get("SGLANG_ALLOW_MISSING_TRACES") == "1":
             pytest.skip(f"{reason} (SGLANG_ALLOW_MISSING_TRACES=1)")
-        pytest.fail(f"{reason}: set TRACES_DIR, or SGLANG_ALLOW_MISSING_TRACES=1 to skip", pytrace=False)
+        pytest.fail(
+            f"{reason}: set TRACES_DIR, or SGLANG_ALLOW_MISSING_TRACES=1 to skip", pytrace=False
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,8 +81,10 @@ def test_replay_session(server_url, session):
     t0 = time.perf_counter()
     sr = ar.replay_session(server_url, session)
     lines = "\n".join(r.line() for r in sr.results)
-    print(f"\n{lines}\n{sr.summary().line(f'session {session.name}')} "
-          f"wall={time.perf_counter() - t0:.1f}s")
+    print(
+        f"\n{lines}\n{sr.summary().line(f'session {session.name}')} "
+        f"wall={time.perf_counter() - t0:.1f}s"
+    )
     assert len(sr.results) == len(session.captures)
     for r in sr.results:
         assert r.status == 200, r.line()
@@ -99,22 +103,32 @@ def _sse(*events) -> bytes:
     for ev in events:
         if isinstance(ev, tuple):
             name, data = ev
-            out.append(f"event: {name}\ndata: {data if isinstance(data, str) else json.dumps(data)}\n\n")
+            out.append(
+                f"event: {name}\ndata: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+            )
         else:
             out.append(f"data: {ev if isinstance(ev, str) else json.dumps(ev)}\n\n")
     return "".join(out).encode()
 
 
 def _chunk(delta=None, finish=None, usage=None, choices=True, **extra):
-    obj = {"id": "x", "object": "chat.completion.chunk", "model": "m",
-           "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if choices else [],
-           "usage": usage}
+    obj = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if choices else [],
+        "usage": usage,
+    }
     obj.update(extra)
     return obj
 
 
-USAGE = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
-         "prompt_tokens_details": {"cached_tokens": 6}}
+USAGE = {
+    "prompt_tokens": 10,
+    "completion_tokens": 2,
+    "total_tokens": 12,
+    "prompt_tokens_details": {"cached_tokens": 6},
+}
 GOOD_OPENAI = _sse(
     _chunk({"role": "assistant", "content": ""}),
     _chunk({"reasoning_content": "hm"}),
@@ -126,18 +140,45 @@ GOOD_OPENAI = _sse(
 
 
 def _anthropic(*, stop=True, delta_usage=True, start_usage=None):
-    start_usage = start_usage or {"input_tokens": 4, "output_tokens": 0, "cache_read_input_tokens": 6}
+    start_usage = start_usage or {
+        "input_tokens": 4,
+        "output_tokens": 0,
+        "cache_read_input_tokens": 6,
+    }
     evs = [
-        ("message_start", {"type": "message_start", "message": {"id": "m", "role": "assistant",
-                                                                "content": [], "usage": start_usage}}),
-        ("content_block_start", {"type": "content_block_start", "index": 0,
-                                 "content_block": {"type": "text", "text": ""}}),
+        (
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {"id": "m", "role": "assistant", "content": [], "usage": start_usage},
+            },
+        ),
+        (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        ),
         ("ping", {"type": "ping"}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                 "delta": {"type": "text_delta", "text": "hi"}}),
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": "hi"},
+            },
+        ),
         ("content_block_stop", {"type": "content_block_stop", "index": 0}),
-        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
-                           **({"usage": {"output_tokens": 2}} if delta_usage else {})}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "max_tokens"},
+                **({"usage": {"output_tokens": 2}} if delta_usage else {}),
+            },
+        ),
     ]
     if stop:
         evs.append(("message_stop", {"type": "message_stop"}))
@@ -150,8 +191,11 @@ def test_sse_parser_any_split():
     for step in (1, 7, 64):
         p, got = ar.SSEParser(), []
         for i in range(0, len(GOOD_OPENAI), step):
-            got += p.feed(GOOD_OPENAI[i : i + step].replace(b"\n", b"\r\n") if step == 7 else
-                          GOOD_OPENAI[i : i + step])
+            got += p.feed(
+                GOOD_OPENAI[i : i + step].replace(b"\n", b"\r\n")
+                if step == 7
+                else GOOD_OPENAI[i : i + step]
+            )
         got += p.close()
         assert [(e.event, e.data) for e in got] == [(e.event, e.data) for e in whole]
 
@@ -183,11 +227,20 @@ def test_openai_stream_timing():
         (GOOD_OPENAI.replace(b"data: [DONE]\n\n", b""), "[DONE]"),
         (GOOD_OPENAI.replace(b'"hi"', b'"hi'), "not JSON"),
         (_sse(_chunk({"content": "hi"}, finish="stop"), "[DONE]"), "no usage"),
-        (_sse(_chunk({"content": "hi"}, finish="stop"), _chunk(choices=False, usage=USAGE),
-              "[DONE]", _chunk({"content": "late"})), "after [DONE]"),
+        (
+            _sse(
+                _chunk({"content": "hi"}, finish="stop"),
+                _chunk(choices=False, usage=USAGE),
+                "[DONE]",
+                _chunk({"content": "late"}),
+            ),
+            "after [DONE]",
+        ),
         (_sse({"error": {"message": "boom", "code": 400}}, "[DONE]"), "error event"),
-        (_sse(_chunk({"content": "hi"}), _chunk(choices=False, usage=USAGE), "[DONE]"),
-         "finish_reason"),
+        (
+            _sse(_chunk({"content": "hi"}), _chunk(choices=False, usage=USAGE), "[DONE]"),
+            "finish_reason",
+        ),
         (GOOD_OPENAI + b"garbage line\n", None),  # stray line: reported by the parser
     ],
 )
@@ -212,8 +265,9 @@ def test_anthropic_stream_well_formed():
     assert (c.prompt_tokens, c.cached_tokens, c.completion_tokens) == (10, 6, 2)
     assert c.finish_reason == "max_tokens" and c.ttft_s is not None
     # Nothing cached: upstream omits cache_read_input_tokens.
-    c = ar.check_anthropic_stream(ar.parse_sse(_sse(*_anthropic(
-        start_usage={"input_tokens": 10, "output_tokens": 0}))))
+    c = ar.check_anthropic_stream(
+        ar.parse_sse(_sse(*_anthropic(start_usage={"input_tokens": 10, "output_tokens": 0})))
+    )
     assert c.ok and (c.prompt_tokens, c.cached_tokens) == (10, 0)
 
 
@@ -225,8 +279,10 @@ def test_anthropic_stream_well_formed():
         (_anthropic()[1:], "message_start"),
         ([("message_start", {"type": "message_delta"})] + _anthropic()[1:], "type"),
         (_anthropic()[:4] + _anthropic()[5:], "content blocks open"),
-        (_anthropic()[:-1] + [("error", {"type": "error", "error": {"type": "api_error"}})],
-         "error event"),
+        (
+            _anthropic()[:-1] + [("error", {"type": "error", "error": {"type": "api_error"}})],
+            "error event",
+        ),
         (_anthropic()[:3] + [("content_block_delta", "{not json")] + _anthropic()[4:], "not JSON"),
     ],
 )
@@ -251,21 +307,25 @@ def test_common_prefix_len():
 def test_reusable_prefix_against_any_earlier_request():
     sys_p = [1, 2, 3, 4]
     prompts = [
-        sys_p + [10, 11, 12],          # first: nothing earlier
+        sys_p + [10, 11, 12],  # first: nothing earlier
         sys_p + [10, 11, 12, 13, 14],  # extends #0
-        [9, 9, 9],                      # unrelated (e.g. a title request)
-        sys_p + [10, 11, 20, 21],      # diverges inside history: 6 shared with #0/#1
-        None,                           # unknown ids: 0, and no reference for later
-        sys_p + [10, 11, 20, 21],      # repeats #3: capped at len - 1
+        [9, 9, 9],  # unrelated (e.g. a title request)
+        sys_p + [10, 11, 20, 21],  # diverges inside history: 6 shared with #0/#1
+        None,  # unknown ids: 0, and no reference for later
+        sys_p + [10, 11, 20, 21],  # repeats #3: capped at len - 1
     ]
     assert ar.reusable_prefix_lengths(prompts) == [0, 7, 0, 6, 0, 7]
     assert ar.reusable_prefix_len([9, 9, 9, 5], prompts) == 3
 
 
 def test_summary_line():
-    s = ar.ReplaySummary(requests=3, cached_tokens=70, reusable_tokens=100, prompt_tokens=300, failed=0)
-    assert s.line() == ("agent_replay requests=3 cached_tokens=70 reusable_tokens=100 "
-                        "wasted_tokens=30 reuse_ratio=0.700")
+    s = ar.ReplaySummary(
+        requests=3, cached_tokens=70, reusable_tokens=100, prompt_tokens=300, failed=0
+    )
+    assert s.line() == (
+        "agent_replay requests=3 cached_tokens=70 reusable_tokens=100 "
+        "wasted_tokens=30 reuse_ratio=0.700"
+    )
     assert ar.ReplaySummary(1, 0, 0, 5, 0).line().endswith("wasted_tokens=0 reuse_ratio=1.000")
     # A failed request's tokens are missing from the sums: the line must say so.
     assert ar.ReplaySummary(2, 0, 0, 5, 1).line().endswith("reuse_ratio=1.000 failed=1")
@@ -283,17 +343,39 @@ def test_prepare_body_caps_only_present_length_fields():
 
 def test_default_path_and_format():
     assert ar.default_path({"messages": [], "model": "m"}) == "/v1/chat/completions"
-    assert ar.default_path({"system": [{"type": "text", "text": "s"}], "messages": []}) == "/v1/messages"
-    assert ar.default_path({"messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}) == "/v1/messages"
+    assert (
+        ar.default_path({"system": [{"type": "text", "text": "s"}], "messages": []})
+        == "/v1/messages"
+    )
+    assert (
+        ar.default_path(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}],
+                    }
+                ]
+            }
+        )
+        == "/v1/messages"
+    )
     assert ar.api_format("/v1/messages?beta=true") == ar.ANTHROPIC
     assert ar.api_format("/v1/chat/completions") == ar.OPENAI
 
 
 def test_replay_headers_drop_credentials_and_hop_by_hop():
-    h = ar.replay_headers({"Host": "h", "Content-Length": "5", "x-api-key": "k",
-                           "Authorization": "<redacted:24 chars>", "anthropic-version": "2023-06-01",
-                           "anthropic-beta": "a,b", "X-Other": "<redacted:3 chars>"})
+    h = ar.replay_headers(
+        {
+            "Host": "h",
+            "Content-Length": "5",
+            "x-api-key": "k",
+            "Authorization": "<redacted:24 chars>",
+            "anthropic-version": "2023-06-01",
+            "anthropic-beta": "a,b",
+            "X-Other": "<redacted:3 chars>",
+        }
+    )
     assert h == {"anthropic-version": "2023-06-01", "anthropic-beta": "a,b"}
 
 
@@ -305,7 +387,10 @@ def test_discover_sessions(tmp_path):
     (a / "10.json").write_text(json.dumps({"system": "s", "messages": [], "n": 10}))
     (a / "meta.jsonl").write_text(
         json.dumps({"file": "02.json", "path": "/v1/messages?beta=true", "headers": {"x": "y"}})
-        + "\n" + json.dumps({"file": "01.json", "path": "/v1/chat/completions"}) + "\n")
+        + "\n"
+        + json.dumps({"file": "01.json", "path": "/v1/chat/completions"})
+        + "\n"
+    )
     (a / "diffs.txt").write_text("ignored")
     b = tmp_path / "nested" / "b"
     b.mkdir(parents=True)
@@ -314,7 +399,11 @@ def test_discover_sessions(tmp_path):
     assert [s.name for s in sessions] == ["a", "nested/b"]
     caps = sessions[0].captures
     assert [c.file for c in caps] == ["02.json", "01.json", "10.json"]  # meta order, then numeric
-    assert [c.path for c in caps] == ["/v1/messages?beta=true", "/v1/chat/completions", "/v1/messages"]
+    assert [c.path for c in caps] == [
+        "/v1/messages?beta=true",
+        "/v1/chat/completions",
+        "/v1/messages",
+    ]
     assert caps[0].headers == {"x": "y"} and caps[0].label == "a/02.json"
     assert [s.name for s in ar.discover_sessions(a)] == ["a"]
     empty = tmp_path / "empty"

@@ -115,11 +115,15 @@ def test_chunk_vs_transformers(isa, lens, H, HV, K, V, dtype, state_dtype):
     assert last is None  # state goes to the pool, like upstream's Triton path
     for i in range(n):
         s, e = int(cu[i]), int(cu[i + 1])
-        o_ref, st_ref = ref_chunk(q[:, s:e], k[:, s:e], v[:, s:e], g[None, s:e], beta[None, s:e], pool0[idx[i]], HV)
+        o_ref, st_ref = ref_chunk(
+            q[:, s:e], k[:, s:e], v[:, s:e], g[None, s:e], beta[None, s:e], pool0[idx[i]], HV
+        )
         torch.testing.assert_close(out[:, s:e].float(), o_ref.float(), **tol(dtype))
         # the model rounds beta = sigmoid(b) to bf16, the fused kernel keeps it
         # in fp32 (as upstream's Triton kernel): bf16-level state agreement
-        torch.testing.assert_close(pool[idx[i]].float(), st_ref, **tol(min(dtype, state_dtype, key=_width)))
+        torch.testing.assert_close(
+            pool[idx[i]].float(), st_ref, **tol(min(dtype, state_dtype, key=_width))
+        )
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[idx.long()] = False
     assert torch.equal(pool[untouched], pool0[untouched])
@@ -149,11 +153,15 @@ def test_chunk_chunk_states_and_padding(isa):
                 expect = init
             else:
                 sl = slice(s, s + 64 * c)
-                _, expect = ref_chunk(q[:, sl], k[:, sl], v[:, sl], g[None, sl], beta[None, sl], init, HV)
+                _, expect = ref_chunk(
+                    q[:, sl], k[:, sl], v[:, sl], g[None, sl], beta[None, sl], init, HV
+                )
             torch.testing.assert_close(h[0, off + c], expect, **F32_TOL)
         off += (L + 63) // 64
         sl = slice(s, s + L)
-        o_ref, st_ref = ref_chunk(q[:, sl], k[:, sl], v[:, sl], g[None, sl], beta[None, sl], init, HV)
+        o_ref, st_ref = ref_chunk(
+            q[:, sl], k[:, sl], v[:, sl], g[None, sl], beta[None, sl], init, HV
+        )
         torch.testing.assert_close(out[:, sl], o_ref, **F32_TOL)
         torch.testing.assert_close(last[i], st_ref, **F32_TOL)
     assert torch.equal(pool[1], pool0[1]) and torch.equal(pool[3], pool0[3])
@@ -237,12 +245,23 @@ def test_decode_vs_transformers(isa, lens, H, HV, K, V, dtype, state_dtype):
     for i in range(n):
         s, e = int(cu[i]), int(cu[i + 1])
         o_ref, st_ref = ref_decode(
-            q[:, s:e], k[:, s:e], v[:, s:e], A_log, dt_bias, a[s:e], b[s:e], pool0[idx[i]], HV, state_dtype
+            q[:, s:e],
+            k[:, s:e],
+            v[:, s:e],
+            A_log,
+            dt_bias,
+            a[s:e],
+            b[s:e],
+            pool0[idx[i]],
+            HV,
+            state_dtype,
         )
         torch.testing.assert_close(out[:, s:e].float(), o_ref.float(), **tol(dtype))
         # the model rounds beta = sigmoid(b) to bf16, the fused kernel keeps it
         # in fp32 (as upstream's Triton kernel): bf16-level state agreement
-        torch.testing.assert_close(pool[idx[i]].float(), st_ref, **tol(min(dtype, state_dtype, key=_width)))
+        torch.testing.assert_close(
+            pool[idx[i]].float(), st_ref, **tol(min(dtype, state_dtype, key=_width))
+        )
 
 
 def test_decode_steps_padding_and_threshold(isa):
@@ -256,7 +275,7 @@ def test_decode_steps_padding_and_threshold(isa):
     idx = torch.tensor([4, -1, 1], dtype=torch.int32)
     cu = torch.arange(bs + 1, dtype=torch.int32)
     ref_state = {i: pool0[idx[i]].float() for i in (0, 2)}
-    for step in range(3):
+    for _ in range(3):
         q, k, v = torch.randn(1, bs, H, K), torch.randn(1, bs, H, K), torch.randn(1, bs, HV, V)
         a, b = torch.randn(1, bs, HV), torch.randn(1, bs, HV)
         a[0, 0, 0] = 25.0  # softplus(x) = x above the threshold
@@ -266,8 +285,16 @@ def test_decode_steps_padding_and_threshold(isa):
         for i in range(bs):
             init = ref_state[i] if i in ref_state else torch.zeros(HV, V, K)
             o_ref, st = ref_decode(
-                q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], A_log, dt_bias, a[0, i : i + 1],
-                b[0, i : i + 1], init, HV, torch.bfloat16,
+                q[:, i : i + 1],
+                k[:, i : i + 1],
+                v[:, i : i + 1],
+                A_log,
+                dt_bias,
+                a[0, i : i + 1],
+                b[0, i : i + 1],
+                init,
+                HV,
+                torch.bfloat16,
             )
             # float32 activations, so every row (the padded slot's zero-state row too) at F32_TOL
             torch.testing.assert_close(out[:, i : i + 1], o_ref, **F32_TOL)
@@ -290,7 +317,9 @@ def test_gating_vs_model_formula(dtype):
     assert g.shape == (1, bs, HV) and g.dtype == torch.float32
     assert beta.shape == (1, bs, HV) and beta.dtype == dtype
     torch.testing.assert_close(g[0], g_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(beta[0], beta_ref, **(F32_TOL if dtype == torch.float32 else dict(atol=4e-3, rtol=0)))
+    torch.testing.assert_close(
+        beta[0], beta_ref, **(F32_TOL if dtype == torch.float32 else dict(atol=4e-3, rtol=0))
+    )
 
 
 def test_prefill_then_decode_matches_longer_prefill(isa):
@@ -327,9 +356,16 @@ def test_prefill_then_decode_matches_longer_prefill(isa):
         qq, kk, vv = split(m)
         g, beta = torch.ops.sgl_kernel.fused_gdn_gating_cpu(A_log, a[:tokens], b[:tokens], dt_bias)
         o, _, _ = chunk_gated_delta_rule_cpu(
-            q=qq, k=kk, v=vv, g=g, beta=beta, initial_state=ssm,
-            cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32), head_first=False,
-            use_qk_l2norm_in_kernel=True, initial_state_indices=torch.tensor([1], dtype=torch.int32),
+            q=qq,
+            k=kk,
+            v=vv,
+            g=g,
+            beta=beta,
+            initial_state=ssm,
+            cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32),
+            head_first=False,
+            use_qk_l2norm_in_kernel=True,
+            initial_state_indices=torch.tensor([1], dtype=torch.int32),
         )
         return o
 
@@ -341,14 +377,25 @@ def test_prefill_then_decode_matches_longer_prefill(isa):
     idx = torch.tensor([1], dtype=torch.int32)
     outs = []
     for t in (T, T + 1):
-        m = causal_conv1d_update_cpu(x[t : t + 1], conv_b, weight, None, "silu", conv_state_indices=idx)
+        m = causal_conv1d_update_cpu(
+            x[t : t + 1], conv_b, weight, None, "silu", conv_state_indices=idx
+        )
         qq, kk, vv = split(m)
         outs.append(
             torch.ops.sgl_kernel.fused_sigmoid_gating_delta_rule_update_cpu(
-                A_log=A_log, dt_bias=dt_bias, q=qq, k=kk, v=vv, a=a[t : t + 1], b=b[t : t + 1],
-                initial_state_source=ssm_b, initial_state_indices=idx,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                q=qq,
+                k=kk,
+                v=vv,
+                a=a[t : t + 1],
+                b=b[t : t + 1],
+                initial_state_source=ssm_b,
+                initial_state_indices=idx,
                 cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
-                use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0,
+                use_qk_l2norm_in_kernel=True,
+                softplus_beta=1.0,
+                softplus_threshold=20.0,
             )
         )
     torch.testing.assert_close(torch.cat(outs, dim=1), o_a[:, T:], **F32_TOL)

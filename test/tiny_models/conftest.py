@@ -31,6 +31,7 @@ def missing_traces(reason: str) -> None:
         pytest.skip(f"{reason} ({ALLOW_MISSING_TRACES_ENV}=1)")
     pytest.fail(f"{reason}: set TRACES_DIR, or {ALLOW_MISSING_TRACES_ENV}=1 to skip", pytrace=False)
 
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -87,7 +87,7 @@ def rendered(hf_tokenizer):
 
 def test_every_request_renders(rendered):
     assert len(rendered) == len(trace_files())
-    for key, (request, messages, tools, text) in rendered.items():
+    for key, (_request, messages, tools, text) in rendered.items():
         assert text.endswith("<|im_start|>assistant\n"), key
         assert text.count("<|im_start|>") == text.count("<|im_end|>") + 1, key
         if tools:
@@ -124,7 +124,9 @@ def test_openclaw_request_fits_context(rendered, hf_tokenizer, tm):
     assert keys
     text = max((rendered[k][3] for k in keys), key=len)
     n = len(hf_tokenizer.encode(text))
-    print(f"largest openclaw request: {len(text)} chars, {n} tokens, {len(text) / n:.2f} chars/token")
+    print(
+        f"largest openclaw request: {len(text)} chars, {n} tokens, {len(text) / n:.2f} chars/token"
+    )
     assert n < tm.MAX_POSITION_EMBEDDINGS // 8
 
 

@@ -44,7 +44,15 @@ def reset_expert_slot_cache() -> None:
 class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     """Runs one MoE layer's routed experts through the shared :class:`ExpertSlotCache`."""
 
-    def __init__(self, base_method, config: ExpertCacheConfig, layer_id: int, top_k: int, num_layers: int, device):
+    def __init__(
+        self,
+        base_method,
+        config: ExpertCacheConfig,
+        layer_id: int,
+        top_k: int,
+        num_layers: int,
+        device,
+    ):
         torch.nn.Module.__init__(self)
         self.base_method = base_method
         self.config = config
