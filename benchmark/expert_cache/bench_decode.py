@@ -29,6 +29,8 @@ from pathlib import Path
 import requests
 import torch
 
+from sglang.srt.layers.moe.expert_cache.control import MissPolicy
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test" / "e2e"))
 
@@ -50,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per request")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--policy", default="qstar", choices=["qstar", "fill", "cpu"])
+    p.add_argument("--policy", default="qstar", choices=[m.name.lower() for m in MissPolicy])
     p.add_argument("--server-args", default="", help="extra launch arguments for every variant")
     return p.parse_args(argv)
 

@@ -10,6 +10,7 @@ from sglang.srt.entrypoints.error_messages import (
     in_anthropic_terms,
     in_request_terms,
     malformed_json_message,
+    negative_output_length,
 )
 
 TOO_LARGE = (
@@ -54,10 +55,17 @@ def test_output_length_messages_name_the_field_sent():
     assert in_request_terms(TOO_LARGE, sent_completion).startswith(
         "max_completion_tokens is too large: 100000. "
     )
-    negative = "max_new_tokens must be at least 0, got -1."
-    assert in_request_terms(negative, sent_max_tokens) == "max_tokens must be at least 0, got -1."
-    # a native request (no max_tokens field) keeps the sampling parameter's own name
-    assert in_request_terms(negative, SimpleNamespace()) == negative
+
+
+def test_negative_output_length_names_the_field():
+    assert negative_output_length(SimpleNamespace(max_tokens=-1, max_completion_tokens=None)) == (
+        "max_tokens must be at least 0, got -1."
+    )
+    assert negative_output_length(SimpleNamespace(max_tokens=None, max_completion_tokens=-3)) == (
+        "max_completion_tokens must be at least 0, got -3."
+    )
+    assert negative_output_length(SimpleNamespace(max_tokens=0, max_completion_tokens=None)) is None
+    assert negative_output_length(SimpleNamespace()) is None
 
 
 def test_tool_choice_messages_name_the_field():

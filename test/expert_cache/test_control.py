@@ -330,6 +330,11 @@ def test_enumerations_come_from_the_op_library():
     assert [m.name for m in control.Stat] == ["FILLS", "CPU_EXPERTS", "HITS", "MISSES"]
     assert control.MissPolicy.parse("Qstar") is control.MissPolicy.QSTAR
     assert control.MissPolicy.parse(2) is control.MissPolicy.CPU
+    for bad in (None, 1.7, True, 3, "lru"):
+        with pytest.raises(
+            ValueError, match="--expert-cache-policy must be one of qstar, fill, cpu"
+        ):
+            control.MissPolicy.parse(bad)
     with pytest.raises(RuntimeError, match="miss_policy or stat"):
         torch.ops.sgl_kernel.expert_cache_enum("colour")
     op, _ = fresh()

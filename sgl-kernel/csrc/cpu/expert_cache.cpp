@@ -264,7 +264,7 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
   }
 }
 
-// dst_banks[b][fill_dst[i]] = src_banks[b][fill_src[i]] for i < counts[0], every bank b.
+// dst_banks[b][fill_dst[i]] = src_banks[b][fill_src[i]] for i < counts[stat::fills], every bank b.
 void expert_bank_copy_cpu(const std::vector<at::Tensor>& src_banks, const std::vector<at::Tensor>& dst_banks,
                           const at::Tensor& fill_src, const at::Tensor& fill_dst, const at::Tensor& counts) {
   for (size_t b = 0; b < src_banks.size() && b < dst_banks.size(); ++b)

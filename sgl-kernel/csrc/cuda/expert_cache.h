@@ -57,7 +57,7 @@ struct BankCopyArgs {
   int32_t num_fill;
 };
 
-// Grid (num_fill, num_banks, chunks), masked on the device by counts[0]. No host sync.
+// Grid (num_fill, num_banks, chunks), masked on the device by counts[stat::fills]. No host sync.
 cudaError_t launch_expert_bank_copy(const BankCopyArgs& args, cudaStream_t stream);
 
 }  // namespace sglk_cuda

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "shared/expert_cache.h"
@@ -32,6 +33,18 @@ inline void check_on(const at::Tensor& t, const char* name, at::ScalarType dtype
   TORCH_CHECK(t.device() == dev, name, " must be on ", dev, ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// "0 (qstar), 1 (fill), 2 (cpu)": the miss policies' values and names, for error messages.
+inline std::string miss_policy_values() {
+  std::string out;
+  int value = 0;
+#define SGLK_EXPERT_CACHE_VALUE(name)                                  \
+  out += (value ? ", " : "") + std::to_string(value) + " (" #name ")"; \
+  ++value;
+  SGLK_EXPERT_CACHE_MISS_POLICIES(SGLK_EXPERT_CACHE_VALUE)
+#undef SGLK_EXPERT_CACHE_VALUE
+  return out;
 }
 
 // Sizes of one control call, read from its validated tensors.
@@ -80,7 +93,7 @@ inline ControlShape check_control_args(const at::Tensor& topk_ids, int64_t layer
   TORCH_CHECK(fill_dst.numel() == F, "fill_dst must have fill_src's ", F, " entries, got ", fill_dst.numel());
   TORCH_CHECK(counts.numel() == stat::count, "counts must have ", stat::count, " entries, got ", counts.numel());
   TORCH_CHECK(stats.numel() == stat::count, "stats must have ", stat::count, " entries, got ", stats.numel());
-  TORCH_CHECK(is_miss_policy(policy), "policy must be 0 (qstar), 1 (fill) or 2 (cpu), got ", policy);
+  TORCH_CHECK(is_miss_policy(policy), "policy must be one of ", miss_policy_values(), ", got ", policy);
   TORCH_CHECK(std::isfinite(fill_ratio) && fill_ratio >= 0.0, "fill_ratio must be finite and >= 0, got ", fill_ratio);
   return {n_ids, S, F};
 }

@@ -14,7 +14,13 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-__all__ = ["field_path", "in_anthropic_terms", "in_request_terms", "malformed_json_message"]
+__all__ = [
+    "field_path",
+    "in_anthropic_terms",
+    "in_request_terms",
+    "malformed_json_message",
+    "negative_output_length",
+]
 
 
 def malformed_json_message(err: dict) -> str:
@@ -82,7 +88,6 @@ _TOO_LARGE = re.compile(r"^max_completion_tokens is too large: (\d+)\.\s*")
 _TOOL_CHOICE = re.compile(
     r"^(Tools cannot be empty if tool choice is set to|Tool '.*' not found in tools list)"
 )
-_NEGATIVE_LENGTH = re.compile(r"^max_new_tokens must be at least 0, got (-?\d+)")
 
 
 def in_request_terms(message: Optional[str], request) -> Optional[str]:
@@ -90,14 +95,13 @@ def in_request_terms(message: Optional[str], request) -> Optional[str]:
 
     * ``max_completion_tokens is too large: N.This model ...`` names the field the client set
       (``max_tokens`` unless ``max_completion_tokens`` was given);
-    * ``max_new_tokens must be at least 0, got N`` (the sampling parameters' check) likewise;
     * the ``tool_choice`` checks' messages get a ``tool_choice: `` prefix.
 
     Other messages, and None or an empty message (the request is valid), are returned as they
     are.
 
     Args:
-        message: the handler's validation message, or a ``ValueError``'s text.
+        message: the handler's validation message.
         request: the OpenAI request model it was raised for (any object; fields read with
             ``getattr``).
     """
@@ -106,13 +110,24 @@ def in_request_terms(message: Optional[str], request) -> Optional[str]:
     m = _TOO_LARGE.match(message)
     if m:
         return f"{_output_length_field(request)} is too large: {m.group(1)}. " + message[m.end() :]
-    m = _NEGATIVE_LENGTH.match(message)
-    if m and hasattr(request, "max_tokens"):
-        field = _output_length_field(request)
-        return f"{field} must be at least 0, got {m.group(1)}" + message[m.end() :]
     if _TOOL_CHOICE.match(message):
         return "tool_choice: " + message
     return message
+
+
+def negative_output_length(request) -> Optional[str]:
+    """``max_tokens must be at least 0, got N`` (or ``max_completion_tokens ...``) for a request
+    whose output length is negative, else None. Upstream finds it only in the sampling
+    parameters, after conversion, and names its own ``max_new_tokens``.
+
+    Args:
+        request: an OpenAI request model (fields read with ``getattr``).
+    """
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = getattr(request, field, None)
+        if isinstance(value, int) and value < 0:
+            return f"{field} must be at least 0, got {value}."
+    return None
 
 
 # The chat handler validates the converted request and names OpenAI's fields; a tool's

@@ -2,9 +2,8 @@
 // cpu_executor.cpp for the operator and cpu_executor_pool.cpp for the threads).
 // Same rules as kernel_args.h: POD and `static` helpers only, no torch/STL.
 //
-// The kernels are compiled once per ISA level in
-// isa/cpu_executor_{scalar,avx2,avx512,avx512bf16}.cpp; dispatch.cpp picks the
-// table of the selected level.
+// The kernels are compiled once per ISA level (the cpu_executor units of
+// isa/isa_units.h); dispatch.cpp picks the table of the selected level.
 //
 // Exactness contract (what the executor's bit-identical merge rests on): within
 // one table,

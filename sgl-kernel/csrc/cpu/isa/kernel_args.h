@@ -1,6 +1,6 @@
 // Plain-data interface between the torch-facing operators (compiled for the
-// baseline x86-64 ISA) and the SIMD kernels (compiled once per ISA level in
-// kernels_{scalar,avx2,avx512}.cpp).
+// baseline x86-64 ISA) and the SIMD kernels (compiled once per ISA level: the
+// units of isa_units.h).
 //
 // Rules that keep the per-ISA translation units safe to link together:
 //  * this header holds only POD structs, enums and `static` helpers (internal

@@ -1,7 +1,8 @@
 // Minimal fp32 SIMD abstraction, one definition per ISA level.
 //
-// Included only by kernels_impl.h, inside an anonymous namespace and after the
-// translation unit has switched its target ISA (see kernels_avx512.cpp), so
+// Included only by kernels_impl.h and cpu_executor_kernels.h, inside an anonymous
+// namespace and after the translation unit has switched its target ISA (see
+// isa_unit.h), so
 // every function here has internal linkage and the right target attribute.
 // SGLK_ISA_LEVEL: 0 = portable scalar, 1 = AVX2 + FMA, 2 = AVX-512 (F/BW/VL/DQ).
 

@@ -6,7 +6,7 @@ Upstream 0.5.23 runs an unquantized ``FusedMoE`` layer on the CPU with
 else it falls back to ``moe_forward_native``, a Python loop over the experts with one bf16
 ``torch.mm`` pair per expert that holds a token, where each small matmul pays a fixed cost
 (``benchmark/cpu_executor/bench_resident_layer.py`` compares the two; figures in
-``benchmark/RESULTS.md``). Patch ``0032-cpu-moe-expert-executor`` sends such
+``benchmark/RESULTS.md``). Patch ``0032-cpu-executor-for-resident-moe`` sends such
 layers here instead: one ``sgl_kernel.moe_experts_cpu`` call over the layer's own
 ``w13_weight`` / ``w2_weight``, the same kernel (AVX-512 BF16 / AVX-512 / AVX2 / scalar, chosen
 at load) and worker pool that the expert-slot cache uses for its CPU misses

@@ -99,7 +99,7 @@ class ExpertCacheConfig:
     Attributes:
         size: the requested cache size.
         policy: the miss policy.
-        cpu_threads: CPU expert-executor threads (0 = one per physical core).
+        cpu_threads: CPU executor threads (0 = one per physical core).
         fill_gbps: B_P override in GB/s (None = profile at startup).
         cpu_gbps: B_H override in GB/s (None = profile at startup).
         max_fills: F, the most experts one layer call may fill (the victim candidates the

@@ -53,9 +53,9 @@ class _OpEnum(enum.IntEnum):
                 return cls[value.upper()]
             except KeyError:
                 pass
-        else:
+        elif isinstance(value, int) and not isinstance(value, bool):
             try:
-                return cls(int(value))
+                return cls(value)
             except ValueError:
                 pass
         names = ", ".join(m.name.lower() for m in cls)
@@ -129,10 +129,6 @@ class ExpertCacheTables:
             stats=torch.zeros(len(Stat), **i64),
         )
 
-    @property
-    def num_slots(self) -> int:
-        return self.id_of_slot.numel()
-
 
 @dataclass(frozen=True)
 class FillList:
@@ -162,11 +158,6 @@ class FillList:
             fill_dst=torch.full((num_fill,), -1, **i32),
             counts=torch.zeros(len(Stat), **i32),
         )
-
-    @property
-    def capacity(self) -> int:
-        """``F``, the most fills one call may make."""
-        return self.fill_src.numel()
 
 
 @dataclass(frozen=True)

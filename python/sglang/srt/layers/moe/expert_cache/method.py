@@ -9,13 +9,15 @@ host pool, so upstream's weight loader writes every expert straight into the poo
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
-from sglang.srt.layers.moe.expert_cache.config import ExpertCacheConfig
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+
+if TYPE_CHECKING:  # imported where used: patch 0033 imports this module on every metrics server
+    from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
+    from sglang.srt.layers.moe.expert_cache.config import ExpertCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         if with_bias:
             raise ValueError("--enable-expert-cache does not support MoE layers with biases")
         if _CACHE is None:
+            from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
+
             _CACHE = ExpertSlotCache(
                 self.config,
                 num_layers=self.num_layers,
@@ -131,6 +135,7 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
         RuntimeError: the server or layer configuration is outside what the cache supports;
             the message lists every problem and what to change.
     """
+    from sglang.srt.layers.moe.expert_cache.config import ExpertCacheConfig
     from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
     from sglang.srt.runtime_context import (
         get_device,
