@@ -722,20 +722,24 @@ def main() -> None:
     for name in ("apply", "status"):
         sp = sub.add_parser(name)
         sp.add_argument("--site-packages", type=Path, required=True)
-    sp = sub.add_parser("check")
-    sp.add_argument("--wheel", type=Path, required=True)
-    sp.add_argument("--patches", type=Path, default=PATCH_DIR)
-    sp = sub.add_parser("import")
-    sp.add_argument("--wheel", type=Path, required=True)
-    sp.add_argument("--dir", type=Path, required=True)
-    sp.add_argument("--patches", type=Path, default=PATCH_DIR)
-    sp.add_argument("--force", action="store_true", help="replace a queue that import made earlier")
-    sp = sub.add_parser("export")
-    sp.add_argument("--dir", type=Path, required=True)
-    sp.add_argument("--patches", type=Path, default=PATCH_DIR)
-    sp = sub.add_parser("rebase")
-    sp.add_argument("--wheel", type=Path, required=True)
-    sp.add_argument("--dir", type=Path, required=True)
+    # command: (takes --wheel, takes --dir, takes --patches)
+    for name, wheel, queue, patches in (
+        ("check", True, False, True),
+        ("import", True, True, True),
+        ("export", False, True, True),
+        ("rebase", True, True, False),
+    ):
+        sp = sub.add_parser(name)
+        if wheel:
+            sp.add_argument("--wheel", type=Path, required=True)
+        if queue:
+            sp.add_argument("--dir", type=Path, required=True)
+        if patches:
+            sp.add_argument("--patches", type=Path, default=PATCH_DIR)
+        if name == "import":
+            sp.add_argument(
+                "--force", action="store_true", help="replace a queue that import made earlier"
+            )
     args = ap.parse_args()
     try:
         if args.cmd == "apply":

@@ -22,7 +22,6 @@ import time
 
 import torch
 
-from sglang.srt.layers.moe.expert_cache.bandwidth_probe import probe_bandwidths
 from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
 from sglang.srt.layers.moe.expert_cache.config import CacheSize, ExpertCacheConfig, MissPolicy
 
@@ -60,14 +59,7 @@ def main() -> None:
         os.remove(os.environ["SGLANG_EXPERT_CACHE_PROFILE_PATH"])
         threads = torch.ops.sgl_kernel.expert_pool_set_threads(cfg.cpu_threads)
         t0 = time.perf_counter()
-        bw = probe_bandwidths(
-            cache.host,
-            device=cache.device,
-            layer_ids=sorted(cache.layer_ids),
-            num_experts=cache.num_experts,
-            top_k=cache.top_k,
-            threads=threads,
-        )
+        bw = cache.measure_bandwidths(threads)
         ms = 1e3 * (time.perf_counter() - t0)
     pool_gb = args.layers * args.experts * cache.host.expert_bytes / 1e9
     print(

@@ -26,25 +26,14 @@ pytestmark = pytest.mark.skipif(
 def runner_config():
     """A Qwen3-MoE layer's runner config, with the server state upstream's fused MoE reads."""
     pytest.importorskip("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
-    from test_slot_cache import E, H, I, K
+    from test_slot_cache import runner_config
 
-    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))
     with get_parallel().override(tp_group=None):
-        yield MoeRunnerConfig(
-            num_experts=E,
-            num_local_experts=E,
-            hidden_size=H,
-            intermediate_size_per_partition=I,
-            top_k=K,
-            params_dtype=torch.bfloat16,
-            activation="silu",
-            is_gated=True,
-            inplace=True,
-        )
+        yield runner_config()
 
 
 def _tolerance(ref: torch.Tensor) -> dict:

@@ -30,6 +30,7 @@ def make_cache(size: str, policy: str, seed: int = 0, **kw) -> ExpertSlotCache:
         cpu_threads=kw.pop("cpu_threads", 2),
         fill_gbps=kw.pop("fill_gbps", 1.0),
         cpu_gbps=kw.pop("cpu_gbps", 2.0),
+        record_routing=kw.pop("record_routing", None),
     )
     cache = ExpertSlotCache(
         cfg,
@@ -49,6 +50,24 @@ def make_cache(size: str, policy: str, seed: int = 0, **kw) -> ExpertSlotCache:
             rows.copy_((torch.randn(rows.shape, generator=g) * 0.2).to(rows.dtype))
     cache.finalize()
     return cache
+
+
+def runner_config():
+    """The ``MoeRunnerConfig`` FusedMoE gives a Qwen3-MoE layer of this shape (``inplace=True``
+    is upstream's default), for the tests of the device side."""
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    return MoeRunnerConfig(
+        num_experts=E,
+        num_local_experts=E,
+        hidden_size=H,
+        intermediate_size_per_partition=I,
+        top_k=K,
+        params_dtype=torch.bfloat16,
+        activation="silu",
+        is_gated=True,
+        inplace=True,
+    )
 
 
 def routing(steps: int, seed: int = 1):
@@ -196,24 +215,7 @@ def test_routing_trace_recorded(tmp_path):
     import json
 
     path = tmp_path / "routing.jsonl"
-    cfg = ExpertCacheConfig(
-        size=CacheSize.parse("25%"), fill_gbps=1.0, cpu_gbps=2.0, record_routing=str(path)
-    )
-    cache = ExpertSlotCache(
-        cfg,
-        num_layers=L,
-        num_experts=E,
-        top_k=K,
-        hidden_size=H,
-        intermediate_size=I,
-        dtype=torch.bfloat16,
-        device="cpu",
-    )
-    for layer in range(L):
-        cache.register_layer(layer)
-        for name in ("w13", "w2"):
-            cache.host_rows(name, layer).zero_()
-    cache.finalize()
+    cache = make_cache("25%", "qstar", record_routing=str(path))
     calls = routing(steps=2)
     for layer, x, w, ids in calls:
         cache.forward(layer, x, w, ids)

@@ -90,25 +90,14 @@ class Totals:
 
 
 def check_config(size: str, policy: str, totals: Totals) -> None:
-    from test_slot_cache import E, H, I, K, make_cache, reference, routing
+    import test_slot_cache
+    from test_slot_cache import H, make_cache, reference, routing
 
     import sgl_kernel_fork  # noqa: F401  (torch.ops.sgl_kernel.*)
     from sglang.srt.layers.moe.expert_cache.cuda_branch import slot_experts
-    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
     cache = make_cache(size, policy)
-    # What FusedMoE gives a Qwen3-MoE layer (inplace=True is upstream's default).
-    runner_config = MoeRunnerConfig(
-        num_experts=E,
-        num_local_experts=E,
-        hidden_size=H,
-        intermediate_size_per_partition=I,
-        top_k=K,
-        params_dtype=torch.bfloat16,
-        activation="silu",
-        is_gated=True,
-        inplace=True,
-    )
+    runner_config = test_slot_cache.runner_config()
     for layer, x, w, ids in routing(steps=6, seed=3):
         routing_ = cache.route(layer, ids.contiguous())
         slot_ids, cpu_ids = routing_.slot_ids, routing_.cpu_ids

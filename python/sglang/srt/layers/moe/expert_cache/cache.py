@@ -202,16 +202,7 @@ class ExpertSlotCache:
             self._cuda = CudaForward(self.host, self.top_k, self.device)  # staging before capture
         threads = torch.ops.sgl_kernel.expert_pool_set_threads(cfg.cpu_threads)
         if slots:
-            self.bandwidths = probe_bandwidths(
-                self.host,
-                device=self.device,
-                layer_ids=sorted(self.layer_ids),
-                num_experts=self.num_experts,
-                top_k=self.top_k,
-                threads=threads,
-                fill_override=cfg.fill_gbps,
-                cpu_override=cfg.cpu_gbps,
-            )
+            self.bandwidths = self.measure_bandwidths(threads)
             self.fill_ratio = self.bandwidths.fill_ratio
         else:
             # Every miss runs on the CPU: no q* split to set, and on CUDA the host pool was not
@@ -232,6 +223,21 @@ class ExpertSlotCache:
             self.bandwidths.source,
             self.bandwidths.fill_ratio,
             threads,
+        )
+
+    def measure_bandwidths(self, threads: int) -> Bandwidths:
+        """B_P and B_H of this cache's host pool and device with ``threads`` CPU executor
+        threads: the flags, else the per-machine profile, else measured
+        (:func:`bandwidth_probe.probe_bandwidths`)."""
+        return probe_bandwidths(
+            self.host,
+            device=self.device,
+            layer_ids=sorted(self.layer_ids),
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            threads=threads,
+            fill_override=self.config.fill_gbps,
+            cpu_override=self.config.cpu_gbps,
         )
 
     def _place_at_load(self) -> None:
