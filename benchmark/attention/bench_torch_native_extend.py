@@ -1,13 +1,18 @@
 """Time one torch_native extend (one layer) on top of a long cached prefix:
-upstream's full-sequence loop vs the new-rows path (patch 0010).
+upstream's full-sequence loop vs the new-rows path (patch 0010), the latter both mask-free
+(the default: prefix and causal square as two flash calls merged through their log-sum-exps)
+and with masked query blocks (``mask_free=False``).
 
     python benchmark/attention/bench_torch_native_extend.py [--prefix 8192] [--extend 128] [--reps 5]
 
-Both paths get one warm-up and ``--reps`` timed runs, interleaved; the last line gives the
-medians and ``speedup`` (median of the per-round upstream / new-rows ratios) as ``name=value``.
+Each path gets one warm-up and ``--reps`` timed runs, interleaved; the last line gives the
+medians, ``speedup`` (median of the per-round upstream / mask-free ratios) and
+``mask_free_speedup`` (masked / mask-free) as ``name=value``. ``--skip-upstream`` leaves out
+upstream's loop (quadratic in the prefix: minutes at 64K).
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,6 +29,7 @@ p.add_argument("--kv-heads", type=int, default=4)
 p.add_argument("--head-dim", type=int, default=64)
 p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--reps", type=int, default=5, help="timed runs of each path (interleaved)")
+p.add_argument("--skip-upstream", action="store_true", help="time only the two new-rows paths")
 a = p.parse_args()
 dt = getattr(torch, a.dtype)
 s = a.prefix + a.extend
@@ -61,22 +67,44 @@ def run_new():
     return sdpa_extend_new_rows(output=torch.empty_like(q), **args)
 
 
+def run_masked():
+    return sdpa_extend_new_rows(output=torch.empty_like(q), mask_free=False, **args)
+
+
 backend = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
-o_old, o_new = run_old(), run_new()  # warm-up, and the outputs compared below
-# Both paths alike: --reps timed runs each, interleaved (old, new, old, new, ...) so that load
-# from other work on the machine falls on both; the median of each, and the median of the
+paths = {"masked": run_masked, "new": run_new}
+if not a.skip_upstream:
+    paths = {"old": run_old, **paths}
+outs = {name: fn() for name, fn in paths.items()}  # warm-up, and the outputs compared below
+# All paths alike: --reps timed runs each, interleaved (old, masked, new, old, ...) so that load
+# from other work on the machine falls on all; the median of each, and the median of the
 # same-round ratios.
-times = {"old": [], "new": []}
+times = {name: [] for name in paths}
 for _ in range(a.reps):
-    for name, fn in (("old", run_old), ("new", run_new)):
+    for name, fn in paths.items():
         t0 = time.perf_counter()
         fn()
         times[name].append(time.perf_counter() - t0)
-t_old, t_new = statistics.median(times["old"]), statistics.median(times["new"])
-speedup = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
-print(
-    f"attention_extend prefix={a.prefix} extend={a.extend} heads={a.heads} kv_heads={a.kv_heads} "
-    f"head_dim={a.head_dim} dtype={a.dtype} threads={torch.get_num_threads()} reps={a.reps} "
-    f"upstream_ms={t_old * 1e3:.1f} new_rows_ms={t_new * 1e3:.1f} speedup={speedup:.2f} "
-    f"max_abs_diff={(o_old.float() - o_new.float()).abs().max():.2e}"
-)
+med = {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def ratio(slow: str) -> float:
+    return statistics.median(s / n for s, n in zip(times[slow], times["new"]))
+
+
+def diff(name: str) -> float:
+    return (outs[name].float() - outs["new"].float()).abs().max().item()
+
+
+fields = [
+    f"attention_extend prefix={a.prefix} extend={a.extend} heads={a.heads} "
+    f"kv_heads={a.kv_heads} head_dim={a.head_dim} dtype={a.dtype} "
+    f"threads={torch.get_num_threads()} reps={a.reps} load1={os.getloadavg()[0]:.2f}"
+]
+if "old" in paths:
+    fields.append(f"upstream_ms={med['old'] * 1e3:.1f}")
+fields.append(f"masked_ms={med['masked'] * 1e3:.1f} mask_free_ms={med['new'] * 1e3:.1f}")
+if "old" in paths:
+    fields.append(f"speedup={ratio('old'):.2f} max_abs_diff={diff('old'):.2e}")
+fields.append(f"mask_free_speedup={ratio('masked'):.2f} masked_max_abs_diff={diff('masked'):.2e}")
+print(" ".join(fields))

@@ -101,22 +101,39 @@ def reference(args, full_q, prefix_lens, *, scale, causal, window=None, cross=Fa
 
 @contextmanager
 def count_sdpa(module):
-    """Record (heads, q_rows, kv_len, mask_numel) of every SDPA call made
-    through ``module.scaled_dot_product_attention``."""
+    """Record (heads, q_rows, kv_len, mask_numel) of every attention call made through
+    ``module.scaled_dot_product_attention`` and, in torch_native_extend, ``flash_with_lse``
+    (the mask-free causal path; its calls have no mask). ``calls.rows`` counts each new
+    row once: the rows of masked SDPA calls and of causal flash calls (a prefix flash call
+    covers the same rows again)."""
     calls = []
+    calls_rows = []
     orig = module.scaled_dot_product_attention
 
     def wrapped(q, k, v, attn_mask=None, **kw):
         calls.append(
             (q.shape[-3], q.shape[-2], k.shape[-2], 0 if attn_mask is None else attn_mask.numel())
         )
+        calls_rows.append(q.shape[-2])
         return orig(q, k, v, attn_mask=attn_mask, **kw)
 
     module.scaled_dot_product_attention = wrapped
+    orig_flash = getattr(module, "flash_with_lse", None)
+    if orig_flash is not None:
+
+        def wrapped_flash(q, k, v, *, is_causal, scale):
+            calls.append((q.shape[-3], q.shape[-2], k.shape[-2], 0))
+            if is_causal:
+                calls_rows.append(q.shape[-2])
+            return orig_flash(q, k, v, is_causal=is_causal, scale=scale)
+
+        module.flash_with_lse = wrapped_flash
     try:
-        yield calls
+        yield types.SimpleNamespace(calls=calls, rows=calls_rows)
     finally:
         module.scaled_dot_product_attention = orig
+        if orig_flash is not None:
+            module.flash_with_lse = orig_flash
 
 
 def run_new(args, dv, **kw):
@@ -250,17 +267,17 @@ class TestTorchNativeExtendNewRows(unittest.TestCase):
         hq, hkv, d = 4, 2, 16
         args, _ = make_batch(prefix, extend, hq, hkv, d, d, torch.float32)
         kw = dict(scaling=0.25, enable_gqa=True, causal=True)
-        with count_sdpa(tne) as new_calls:
+        with count_sdpa(tne) as new:
             out = run_new(args, d, **kw)
-        new_work = sum(q * k for _, q, k, _ in new_calls)
+        new_work = sum(q * k for _, q, k, _ in new.calls)
         needed = sum(e * (p + e) for p, e in zip(prefix, extend))
         full = sum((p + e) ** 2 for p, e in zip(prefix, extend))
         self.assertLessEqual(new_work, needed + sum(e * e for e in extend))
         self.assertLess(new_work * 50, full)
         if HAS_UPSTREAM_LOOP:
-            with count_sdpa(tnb) as old_calls:
+            with count_sdpa(tnb) as old:
                 up = run_upstream(args, d, **kw)
-            self.assertEqual(sum(q * k for _, q, k, _ in old_calls), full)
+            self.assertEqual(sum(q * k for _, q, k, _ in old.calls), full)
             torch.testing.assert_close(out, up, atol=2e-5, rtol=1e-4)
         print(
             f"\nSDPA q_rows*kv: new-rows path {new_work}, full-sequence {full} "
@@ -268,25 +285,67 @@ class TestTorchNativeExtendNewRows(unittest.TestCase):
         )
 
     def test_blocks_bounded(self):
-        # A long extend never builds a matrix over the budget at once: the
-        # rows x keys mask with a fused SDPA kernel (d == dv), the
-        # heads x rows x keys scores with the math fallback (d != dv).
+        # A long extend never builds a matrix over the budget at once: no mask at all on the
+        # flash path (causal, no window, d == dv), the rows x keys mask on the masked path
+        # (a sliding window), the heads x rows x keys scores with the math fallback (d != dv).
         hq, hkv, d = 4, 2, 16
         budget = 1 << 14
-        kw = dict(scaling=0.25, enable_gqa=True, causal=True)
-        for dv, heads_in_budget in ((d, False), (8, True)):
+        for dv, window, heads_in_budget in ((d, None, False), (d, 64, False), (8, None, True)):
+            kw = dict(scaling=0.25, enable_gqa=True, causal=True, sliding_window_size=window)
             args, full_q = make_batch([700, 0], [300, 200], hq, hkv, d, dv, torch.float32, seed=3)
-            with count_sdpa(tne) as calls:
+            with count_sdpa(tne) as rec:
                 out = run_new(args, dv, block_elems=budget, **kw)
-            for h, q, k, m in calls:
+            flash_path = (
+                dv == d and window is None and tne.flash_supported(args["query"], args["v_cache"])
+            )
+            for h, q, k, m in rec.calls:
+                if flash_path:
+                    self.assertEqual(m, 0)
+                    continue
                 self.assertLessEqual(m, budget)
                 self.assertLessEqual(q * k, budget)
                 if heads_in_budget:
                     self.assertTrue(q == 1 or h * q * k <= budget, (h, q, k))
-            self.assertGreater(len(calls), 2)
-            self.assertEqual(sum(q for _, q, _, _ in calls), 500)
-            ref = reference(args, full_q, [700, 0], scale=0.25, causal=True)
+            if flash_path:  # prefix + diagonal for the first request, diagonal for the fresh one
+                self.assertEqual(len(rec.calls), 3)
+            else:
+                self.assertGreater(len(rec.calls), 2)
+            self.assertEqual(sum(rec.rows), 500)
+            ref = reference(args, full_q, [700, 0], scale=0.25, causal=True, window=window)
             torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+    def test_merge_partials_is_exact(self):
+        # Attention over keys A + B equals the merge of attention over A and over B.
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
+        k = torch.randn(3, 50, 16, generator=g, dtype=torch.float64) * 3  # large logits
+        v = torch.randn(3, 50, 16, generator=g, dtype=torch.float64)
+
+        def part(lo, hi):
+            sc = q @ k[:, lo:hi].transpose(1, 2)
+            return torch.softmax(sc, -1) @ v[:, lo:hi], torch.logsumexp(sc, -1)
+
+        whole, _ = part(0, 50)
+        for cut in (1, 20, 49):
+            merged = tne.merge_partials(*part(0, cut), *part(cut, 50))
+            torch.testing.assert_close(merged.double(), whole, atol=1e-6, rtol=1e-6)
+
+    def test_long_prefix_takes_the_mask_free_path(self):
+        # Causal, no window, d == dv: two flash calls per request with a prefix (whole prefix,
+        # then the causal diagonal), none with a mask, bf16 and fp32 alike.
+        for dtype in (torch.float32, torch.bfloat16):
+            args, full_q = make_batch([900, 3], [40, 1], 8, 2, 32, 32, dtype, seed=7)
+            self.assertTrue(tne.flash_supported(args["query"], args["v_cache"]))
+            with count_sdpa(tne) as rec:
+                out = run_new(args, 32, scaling=0.2, enable_gqa=True, causal=True)
+            self.assertEqual(
+                [(q, k) for _, q, k, _ in rec.calls], [(40, 40), (40, 900), (1, 1), (1, 3)]
+            )
+            ref = reference(args, full_q, [900, 3], scale=0.2, causal=True)
+            tol = (
+                dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+            )
+            torch.testing.assert_close(out.double(), ref, **tol)
 
     def test_forward_extend_uses_new_rows_path(self):
         prefix, extend = [300, 0], [4, 6]
@@ -320,10 +379,10 @@ class TestTorchNativeExtendNewRows(unittest.TestCase):
             out_cache_loc=None,
         )
         q = args["query"].reshape(-1, hq * d)
-        with count_sdpa(tne) as calls:
+        with count_sdpa(tne) as rec:
             o = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
-        self.assertTrue(calls, "forward_extend did not go through torch_native_extend")
-        self.assertEqual(sum(q for _, q, _, _ in calls), sum(extend))
+        self.assertTrue(rec.calls, "forward_extend did not go through torch_native_extend")
+        self.assertEqual(sum(rec.rows), sum(extend))
         ref = reference(args, full_q, prefix, scale=0.25, causal=True)
         torch.testing.assert_close(o.view(-1, hq, d).double(), ref, atol=2e-5, rtol=1e-4)
 

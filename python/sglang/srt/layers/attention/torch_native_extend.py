@@ -21,7 +21,11 @@ instead of ``O(n * (p + n))`` -- minutes per layer stack for agent sessions with
   qk_head_dim != v_head_dim); and slices the keys of every block to the range
   it can actually see (so masked-out work is at most a block's triangle);
 * gathers from the KV cache only the keys a request can see (relevant for
-  sliding-window layers).
+  sliding-window layers);
+* for causal layers without a window, builds no mask at all: the cached prefix, which
+  every new row sees whole, and the new tokens' causal square are two flash calls whose
+  results are merged exactly through their log-sum-exps (a masked call over prefix + new
+  keys reads a rows x keys mask as well as doing the same arithmetic).
 """
 
 from __future__ import annotations
@@ -135,6 +139,78 @@ def _causal_block(
     ).squeeze(0)
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def flash_supported(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``flash_with_lse`` runs on these inputs: a CPU tensor of a float dtype the CPU
+    flash kernel takes, with qk_head_dim == v_head_dim (q / v [heads, len, dim])."""
+    return (
+        _FLASH_CPU is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and q.shape[-1] == v.shape[-1]
+    )
+
+
+def flash_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of torch's CPU flash-attention kernel, which also returns the log-sum-exp.
+
+    Shapes: q [heads, rows, dim], k / v [heads, keys, dim] (the same number of heads: repeat
+    the KV heads for GQA first). Returns ``(out [heads, rows, dim] in q's dtype,
+    lse [heads, rows] float32)``, lse being log(sum_j exp(scale * q.k_j)) per row. With
+    ``is_causal`` row i sees keys [0, i] (top-left alignment, i.e. rows == keys for a
+    square diagonal block). Source: ``aten::_scaled_dot_product_flash_attention_for_cpu``.
+    """
+    out, lse = _FLASH_CPU(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, is_causal, scale=scale
+    )
+    return out[0], lse[0]
+
+
+def merge_partials(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Exact softmax attention over two disjoint key sets from each set's partial result.
+
+    o1 / o2 [heads, rows, dim], lse1 / lse2 [heads, rows] (float32, both finite). Returns
+    float32 ``(o1 * e^lse1 + o2 * e^lse2) / (e^lse1 + e^lse2)``, written with the weight
+    ``sigmoid(lse1 - lse2)`` so that no exponential overflows (the merge step of
+    FlashAttention's split-KV / flash-decoding).
+    """
+    w1 = torch.sigmoid((lse1 - lse2).float()).unsqueeze(-1)
+    return torch.lerp(o2.float(), o1.float(), w1)
+
+
+def _causal_with_prefix(
+    q_req: torch.Tensor, k_req: torch.Tensor, v_req: torch.Tensor, q_pos0: int, scaling
+) -> torch.Tensor:
+    """Causal attention of the request's new rows without a mask.
+
+    q_req [heads, rows, dim]; k_req / v_req [kv_heads, q_pos0 + rows, dim], the new rows being
+    at positions [q_pos0, q_pos0 + rows). The keys split into the cached prefix [0, q_pos0),
+    which every new row sees whole (no mask), and the new tokens, a square causal block; the
+    two flash calls are merged exactly through their log-sum-exps. A masked call over
+    prefix + new keys would read a rows x keys mask and do the same arithmetic.
+    Returns [heads, rows, dim] in q's dtype.
+    """
+    rep = q_req.shape[0] // k_req.shape[0]
+    if rep > 1:
+        k_req = k_req.repeat_interleave(rep, 0)
+        v_req = v_req.repeat_interleave(rep, 0)
+    o_new, lse_new = flash_with_lse(
+        q_req, k_req[:, q_pos0:], v_req[:, q_pos0:], is_causal=True, scale=scaling
+    )
+    if q_pos0 == 0:
+        return o_new
+    o_pre, lse_pre = flash_with_lse(
+        q_req, k_req[:, :q_pos0], v_req[:, :q_pos0], is_causal=False, scale=scaling
+    )
+    return merge_partials(o_pre, lse_pre, o_new, lse_new).to(q_req.dtype)
+
+
 def sdpa_extend_new_rows(
     query: torch.Tensor,
     output: torch.Tensor,
@@ -152,6 +228,7 @@ def sdpa_extend_new_rows(
     is_cross_attn: bool = False,
     sliding_window_size: Optional[int] = None,
     block_elems: Optional[int] = None,
+    mask_free: bool = True,
 ) -> torch.Tensor:
     """Extend attention computing only the new (extend) rows.
 
@@ -161,6 +238,12 @@ def sdpa_extend_new_rows(
     (kv range shifted / replaced by encoder_lens exactly as upstream does).
     For causal self-attention the new rows are the last extend_seq_lens[r]
     positions of the seq_lens[r] keys.
+
+    Causal layers without a sliding window whose head dims agree (and a CPU tensor) take the
+    mask-free path (``mask_free``, default): the cached prefix and the new tokens' causal
+    square as two flash calls merged exactly (``merge_partials``); the rest, and
+    ``mask_free=False``, run query blocks with a bottom-right causal mask under the
+    ``block_elems`` budget (default ``SGLANG_TORCH_NATIVE_ATTN_BLOCK_ELEMS``).
     """
     num_seqs = seq_lens.shape[0]
     assert extend_prefix_lens.shape[0] == num_seqs
@@ -213,7 +296,13 @@ def sdpa_extend_new_rows(
             k_req = k_req.to(q_req.dtype)
             v_req = v_req.to(q_req.dtype)
 
-        heads = num_heads if sdpa_materializes_scores(q_req, k_req, v_req, enable_gqa) else 1
+        fused = not sdpa_materializes_scores(q_req, k_req, v_req, enable_gqa)
+        if mask_free and causal and window is None and fused and flash_supported(q_req, v_req):
+            o_req = _causal_with_prefix(q_req, k_req, v_req, q_pos0, scaling)
+            output[start_q:end_q] = o_req.movedim(0, 1)
+            start_q = end_q
+            continue
+        heads = 1 if fused else num_heads
         rows = query_block_rows(heads, kv_len - k_base, window, budget)
         for a in range(0, q_len, rows):
             b = min(q_len, a + rows)
