@@ -79,3 +79,13 @@ print("standin-ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "standin-ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_namespace_folder_is_not_upstreams_package(tmp_path, monkeypatch):
+    """Under pytest ``test/`` is on ``sys.path`` and ``test/sgl_kernel/`` (no ``__init__.py``)
+    imports as a namespace package named ``sgl_kernel``: that is not upstream's wheel."""
+    (tmp_path / "ns_only_pkg").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not bare_fused_moe.has_real_package("ns_only_pkg")
+    assert bare_fused_moe.has_real_package("json")
+    assert not bare_fused_moe.has_real_package("no_such_package_here")

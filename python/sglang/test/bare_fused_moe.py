@@ -154,6 +154,17 @@ class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.moe_sum_reduce = moe_sum_reduce
 
 
+def has_real_package(name: str) -> bool:
+    """Whether ``import name`` finds a module with code, not only a namespace package: a folder
+    of that name on ``sys.path`` without ``__init__.py``, such as this repository's
+    ``test/sgl_kernel/`` once pytest has put ``test/`` on the path."""
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return getattr(loaded, "__file__", None) is not None
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
 def install_cuda_standins() -> List[str]:
     """Make upstream's fused MoE importable and runnable on CUDA without ``sglang-kernel``.
 
@@ -167,11 +178,10 @@ def install_cuda_standins() -> List[str]:
     """
     if _INSTALLED or not torch.cuda.is_available():
         return list(_INSTALLED)
-    loaded = sys.modules.get("sgl_kernel")
-    if loaded is None and importlib.util.find_spec("sgl_kernel") is not None:
+    if has_real_package("sgl_kernel"):
         return []  # upstream's wheel (or our CPU alias) is there: nothing to stand in for
-    if loaded is not None and not isinstance(loaded, _StandinModule):
-        return []
+    for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
+        del sys.modules[name]  # a namespace package imported before (test/sgl_kernel/)
     sys.meta_path.insert(0, _StandinFinder())
     fused = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
     fused.silu_and_mul = silu_and_mul
