@@ -201,7 +201,7 @@ standins=$("$PY" -c "from sglang.test.bare_fused_moe import install_cuda_standin
 say "stand-ins for upstream's CUDA kernel wheel: $standins"
 if want tests; then
   junit=$OUTDIR/junit.xml
-  step tests 300 "$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$junit" \
+  step tests 300 "$PY" -m pytest -q -rfEs --junitxml="$junit" \
     test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py \
     test/expert_cache/test_cuda_sources.py test/expert_cache/test_triton_slot_path.py \
     --deselect test/expert_cache/test_triton_slot_path.py::test_slot_experts_through_triton_fused_moe_add_up_with_the_cpu_branch
