@@ -26,7 +26,7 @@
 #            real bf16 (test_triton_slot_path.py); a skipped test counts as a failure here
 #   control  benchmark/expert_cache/bench_control.py --device cuda
 #   step     benchmark/expert_cache/bench_gpu_step.py (Qwen3.6-35B-A3B shapes, eager + graph)
-# Expected: ~1.5 min build, ~2 min tests, ~3 min benchmarks. Writes $OUT/summary.txt (a line
+# Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks. Writes $OUT/summary.txt (a line
 # per step and the benchmarks' last lines) and $OUT/log.txt (everything), $OUT being the device
 # tool's output folder, else .gpu-checks/. Exit 0 when every step passed, 1 when one failed, 2
 # when preflight found a missing piece. Each later GPU path adds its check here.
