@@ -9,7 +9,7 @@ SGLANG_WHEEL = $(firstword $(wildcard .cache/wheels/sglang-0.5.23-*.whl))
 QUEUE   ?= .patch-queue
 NO_WHEEL = $(error no .cache/wheels/sglang-0.5.23-*.whl: run make setup first)
 
-.PHONY: setup serve model test lint format check-patches patches-import patches-export patches-rebase bench-replay clean
+.PHONY: setup serve model test lint format check-patches patches-import patches-export patches-rebase bench-replay gpu-wheels clean
 
 setup:
 	bash scripts/setup.sh
@@ -55,5 +55,11 @@ test: setup lint check-patches
 bench-replay: setup model
 	$(PY) benchmark/e2e/agent_replay.py --traces $(TRACES)
 
+# The cp312 wheels scripts/gpu_checks.sh installs on the lent GPU machine (no registry there),
+# into .gpu-wheels/; prints their size and the working tree's against the 64 MiB a call carries.
+gpu-wheels:
+	python3 scripts/gpu_carry.py download
+	python3 scripts/gpu_carry.py size
+
 clean:
-	rm -rf .venv .models .cache sgl-kernel/build
+	rm -rf .venv .models .cache .gpu-wheels .gpu-checks sgl-kernel/build

@@ -1,34 +1,230 @@
 #!/usr/bin/env bash
-# The CUDA checks, as one script for a lent GPU machine (run from the repository root; ~5 min).
-# Builds sgl-kernel in place with the machine's CUDA torch and toolkit, then runs the GPU tests:
-# the control op and bank copy against the CPU ops (CUDA-graph replay included), the CPU
-# branch as copy + host function + copy, eager and captured in a CUDA graph, and (when sglang
-# is importable) whole layer calls of the cache on CUDA against the CPU cache; then the control
-# op's timing on the device; then the anchor-checkpoint e2e test on CUDA when sglang is set up.
-# Prints everything; record the output in the issue note.
+# The CUDA checks, as one script for a lent GPU machine (run from anywhere in the repository).
+#
+#   bash scripts/gpu_checks.sh            # preflight, then every step below
+#   bash scripts/gpu_checks.sh --dry-run  # preflight only: every missing piece, then the plan
+#   GPU_CHECKS_STEPS="tests bench" bash scripts/gpu_checks.sh   # a rerun of some steps
+#
+# That machine (/work/.library/device/KINDS.md) has python3 with CUDA torch, Triton, nvcc,
+# pytest and hypothesis, and no package registry: sglang==0.5.23 and the few packages our
+# modules and upstream's imported parts need travel as wheels in .gpu-wheels/ (`make gpu-wheels`
+# here; name .gpu-wheels in the device call's carry). Upstream's CUDA kernel wheel (~1.5 GB)
+# cannot travel, so no server runs there: the checks are our ops, our cache and upstream's
+# Triton fused MoE, with sglang/test/bare_fused_moe.py standing in for the glue ops of that
+# wheel (listed in the summary).
+#
+# Preflight collects every missing piece (no GPU, torch without CUDA, no nvcc, missing or
+# mismatched wheels, no patch(1) or C++ compiler) and stops with the list. Then, each step under
+# its own timeout and all of them under GPU_CHECKS_BUDGET seconds (default 540, so one call of
+# the device tool's 600 s holds it; a step that would not fit is skipped, saying so):
+#   install  the wheels into $GPU_SITE (/tmp/site) with pip --no-index --no-deps   (fatal)
+#   apply    our patch series and module links onto it (scripts/patch_queue.py)     (fatal)
+#   build    sgl_kernel_fork in place with its CUDA sources, for this GPU's arch    (fatal)
+#   tests    test_cuda_op.py (control op, bank copy, CPU branch eager and in a CUDA graph),
+#            test_cuda_cache.py (whole layer calls on CUDA against the CPU cache, eager and in
+#            one CUDA graph; no-slot fallback), test_cuda_sources.py, the Triton slot path on
+#            real bf16 (test_triton_slot_path.py); a skipped test counts as a failure here
+#   control  benchmark/expert_cache/bench_control.py --device cuda
+#   step     benchmark/expert_cache/bench_gpu_step.py (Qwen3.6-35B-A3B shapes, eager + graph)
+# Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks. Writes $OUT/summary.txt (a line
+# per step and the benchmarks' last lines) and $OUT/log.txt (everything), $OUT being the device
+# tool's output folder, else .gpu-checks/. Exit 0 when every step passed, 1 when one failed, 2
+# when preflight found a missing piece. Each later GPU path adds its check here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 PY=${PYTHON:-python3}
-$PY - <<'PY'
-import torch, sys
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available() and torch.cuda.get_device_name())
-sys.exit(0 if torch.cuda.is_available() else 1)
-PY
-[ $? -eq 0 ] || { echo "no CUDA torch here"; exit 1; }
-# In place: sgl-kernel/python holds only sgl_kernel_fork (the CPU-only `sgl_kernel` alias lives in
-# sgl-kernel/alias and is not built with CUDA torch), so upstream's sgl_kernel is not shadowed.
-(cd sgl-kernel && SGL_KERNEL_BUILD_CUDA=1 $PY setup.py build_ext --inplace -j 16 2>&1 | tail -5)
-export PYTHONPATH=$PWD/sgl-kernel/python:$PWD/python:${PYTHONPATH:-}
-$PY -c "import sgl_kernel_fork, torch; print('sgl_kernel_fork', sgl_kernel_fork.__file__, 'cuda op', torch._C._dispatch_has_kernel_for_dispatch_key('sgl_kernel::expert_cache_control', 'CUDA'))"
-$PY -c "import sgl_kernel, sgl_kernel_fork; print('upstream sgl_kernel beside it:', sgl_kernel.__file__)" 2>&1 | tail -1
-$PY -c "import sgl_kernel_fork._C_cuda" || { echo "FAILED: sgl_kernel_fork._C_cuda did not build; every CUDA test would skip"; exit 1; }
-$PY -m pytest -q -ra test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py test/expert_cache/test_cuda_sources.py 2>&1 | tail -25
-$PY benchmark/expert_cache/bench_control.py --device cuda 2>&1 | tail -8
-# Anchor checkpoints on CUDA (same code path as the CPU, CUDA kernels): the e2e test starts the
-# tiny hybrid model through scripts/serve.sh, which runs on CUDA when nvidia-smi sees a GPU.
-# Needs sglang importable by $PY (make setup on the GPU machine); skipped otherwise.
-if $PY -c "import sglang.srt.mem_cache.anchor_checkpoints" 2>/dev/null; then
-  timeout 420 $PY -m pytest -q -x -s test/e2e/test_anchor_checkpoints.py 2>&1 | grep -E "cached_off|anchor metrics|passed|failed|Error" | tail -15
+WHEELS=${GPU_WHEELS:-$REPO/.gpu-wheels}
+SITE=${GPU_SITE:-/tmp/site}
+OUTDIR=${OUT:-$REPO/.gpu-checks}
+BUDGET=${GPU_CHECKS_BUDGET:-540}
+STEPS=${GPU_CHECKS_STEPS:-install apply build tests control step}
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+mkdir -p "$OUTDIR"
+SUMMARY=$OUTDIR/summary.txt
+LOG=$OUTDIR/log.txt
+: >"$SUMMARY"
+: >"$LOG"
+START=$SECONDS
+say() { echo "$*" | tee -a "$SUMMARY" "$LOG"; }
+
+# ------------------------------------------------------------------------------- preflight
+problems=()
+say "gpu_checks $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  problems+=("no GPU: nvidia-smi is not on PATH (run this on the lent GPU machine)")
+elif ! gpus=$(nvidia-smi -L 2>&1) || ! grep -q '^GPU ' <<<"$gpus"; then
+  problems+=("no GPU: nvidia-smi -L lists none ($(head -1 <<<"$gpus"))")
 else
-  echo "anchor e2e skipped: sglang (patched) not importable by $PY; run make setup first"
+  say "gpu: $(head -1 <<<"$gpus")"
 fi
+
+probe=$("$PY" -c '
+import sys
+print("python=%d.%d" % sys.version_info[:2])
+try:
+    import torch
+except Exception as e:
+    print("torch=missing (%s)" % e); sys.exit()
+print("torch=" + torch.__version__)
+print("torch_cuda=%s" % torch.version.cuda)
+ok = torch.version.cuda is not None and torch.cuda.is_available()
+print("cuda_available=%d" % ok)
+if ok:
+    print("gpu_name=" + torch.cuda.get_device_name())
+    print("capability=%d.%d" % torch.cuda.get_device_capability())
+for m in ("triton", "pytest", "hypothesis"):
+    try:
+        print("%s=%s" % (m, __import__(m).__version__))
+    except Exception:
+        print("%s=missing" % m)
+try:
+    from torch.utils.cpp_extension import is_ninja_available
+    print("ninja=%s" % ("found" if is_ninja_available() else "missing"))
+except Exception as e:
+    print("ninja=missing (%s)" % e)
+' 2>&1)
+val() { sed -n "s/^$1=//p" <<<"$probe" | head -1; }
+pyver=$(val python)
+if [ -z "$pyver" ]; then
+  problems+=("no python at PYTHON=$PY: $(head -1 <<<"$probe")")
+elif [[ "$(val torch)" == missing* || -z "$(val torch)" ]]; then
+  problems+=("no torch in $PY ($(val torch)): use the machine's python3 that holds PyTorch")
+elif [ "$(val torch_cuda)" = None ]; then
+  problems+=("torch $(val torch) in $PY has no CUDA build (torch.version.cuda is None): use the lent machine's CUDA torch")
+elif [ "$(val cuda_available)" != 1 ]; then
+  problems+=("torch $(val torch) (CUDA $(val torch_cuda)) sees no GPU: torch.cuda.is_available() is False")
+fi
+for m in triton pytest hypothesis ninja; do
+  [ -n "$(val torch_cuda)" ] && [[ "$(val $m)" == missing* ]] && problems+=("no $m for $PY ($(val $m))")
+done
+
+if [ -n "${CUDA_HOME:-${CUDA_PATH:-}}" ]; then  # as torch.utils.cpp_extension finds the toolkit
+  NVCC=${CUDA_HOME:-$CUDA_PATH}/bin/nvcc
+else
+  NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+fi
+if [ ! -x "$NVCC" ]; then
+  problems+=("no nvcc at $NVCC: the CUDA toolkit is needed to build sgl_kernel_fork._C_cuda (set CUDA_HOME to it)")
+fi
+for tool in patch c++; do
+  command -v $tool >/dev/null 2>&1 || problems+=("no $tool on PATH (the patch series / the C++ build needs it)")
+done
+
+if [ ! -f "$WHEELS/MANIFEST" ]; then
+  problems+=("missing wheels: no $WHEELS/MANIFEST; run \`make gpu-wheels\` on the development machine and name .gpu-wheels in the device call's carry")
+else
+  missing=()
+  while read -r whl; do
+    [ -z "$whl" ] || [ -f "$WHEELS/$whl" ] || missing+=("$whl")
+  done <"$WHEELS/MANIFEST"
+  [ ${#missing[@]} -eq 0 ] || problems+=("missing wheels in $WHEELS: ${missing[*]} (run \`make gpu-wheels\` and carry .gpu-wheels)")
+  sg=$(grep '^sglang-0\.5\.23-' "$WHEELS/MANIFEST" | head -1)
+  if [ -z "$sg" ]; then
+    problems+=("missing wheels: $WHEELS/MANIFEST names no sglang-0.5.23 wheel (run \`make gpu-wheels\`)")
+  elif [ -n "$pyver" ] && [[ "$sg" != *"-cp${pyver/./}-"* ]]; then
+    problems+=("wheels for another python: $sg, but $PY is $pyver (scripts/gpu_carry.py PYTHON_VERSION)")
+  fi
+fi
+
+if [ ${#problems[@]} -gt 0 ]; then
+  say "gpu_checks: cannot run, ${#problems[@]} missing piece(s):"
+  for p in "${problems[@]}"; do say "  - $p"; done
+  exit 2
+fi
+say "machine: $(val gpu_name) (sm $(val capability)), python $pyver, torch $(val torch), triton $(val triton), $("$NVCC" --version | tail -2 | head -1), $(nproc) cores"
+if [ $DRY = 1 ]; then
+  say "dry run: every piece is here; the steps would be: $STEPS (budget ${BUDGET}s)"
+  exit 0
+fi
+
+# ------------------------------------------------------------------------------------ steps
+failed=0
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+# step NAME TIMEOUT CMD...: run CMD under min(TIMEOUT, what the budget leaves), log it, record it.
+step() {
+  local name=$1 limit=$2 left rc t0 n0
+  shift 2
+  left=$((BUDGET - (SECONDS - START) - 5))
+  if [ $left -lt 20 ]; then
+    say "SKIP  $name: the ${BUDGET}s budget is spent (rerun with GPU_CHECKS_STEPS=\"$name ...\")"
+    failed=1
+    return 1
+  fi
+  [ "$limit" -gt $left ] && limit=$left
+  echo "== $name (timeout ${limit}s): $*" | tee -a "$LOG"
+  n0=$(wc -l <"$LOG")
+  t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  LAST=$(tail -1 "$LOG")  # the command's last line (a benchmark's name=value line)
+  if [ $rc -eq 0 ]; then
+    say "PASS  $name $((SECONDS - t0))s"
+  else
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && rc="timeout after ${limit}s" || rc="exit $rc"
+    local out
+    out=$(tail -n +$((n0 + 1)) "$LOG" | tail -25 | sed 's/^/      /')
+    say "FAIL  $name $((SECONDS - t0))s ($rc); its last lines:"
+    echo "$out" | tee -a "$SUMMARY"
+    failed=1
+    return 1
+  fi
+}
+fatal() { say "stopping: $1 failed, the later steps need it"; exit 1; }
+
+export PYTHONPATH=$REPO/sgl-kernel/python:$SITE:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if want install; then
+  if [ "$("$PY" scripts/patch_queue.py status --site-packages "$SITE" 2>/dev/null)" = current ]; then
+    say "PASS  install (already in $SITE, series current)"
+  else
+    step install 150 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target "$SITE" $(sed "s|^|$WHEELS/|" "$WHEELS/MANIFEST") || fatal install
+  fi
+fi
+if want apply; then
+  step apply 60 "$PY" scripts/patch_queue.py apply --site-packages "$SITE" || fatal apply
+fi
+if want build; then
+  cap=$(val capability)
+  (cd sgl-kernel && rm -rf python/*.egg-info) 2>/dev/null
+  step build 300 env -C sgl-kernel SGL_KERNEL_BUILD_CUDA=1 SGL_KERNEL_FORK_ALIAS=0 \
+    MAX_JOBS="$(nproc)" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$cap}" \
+    CUDA_HOME="$(dirname "$(dirname "$NVCC")")" "$PY" setup.py build_ext --inplace || fatal build
+  step cuda-op 30 "$PY" -c "
+import torch, sgl_kernel_fork, sgl_kernel_fork._C_cuda
+assert torch._C._dispatch_has_kernel_for_dispatch_key('sgl_kernel::expert_cache_control', 'CUDA')
+print('sgl_kernel_fork', sgl_kernel_fork.__file__)" || fatal "the CUDA op check (every CUDA test would skip)"
+fi
+standins=$("$PY" -c "from sglang.test.bare_fused_moe import install_cuda_standins as i; print('; '.join(i()) or 'none')" 2>&1 | tail -1)
+say "stand-ins for upstream's CUDA kernel wheel: $standins"
+if want tests; then
+  junit=$OUTDIR/junit.xml
+  step tests 300 "$PY" -m pytest -q -rfEs --junitxml="$junit" \
+    test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py \
+    test/expert_cache/test_cuda_sources.py test/expert_cache/test_triton_slot_path.py \
+    --deselect test/expert_cache/test_triton_slot_path.py::test_slot_experts_through_triton_fused_moe_add_up_with_the_cpu_branch
+  counts=$(grep -o '<testsuite [^>]*>' "$junit" 2>/dev/null | grep -o '\(tests\|failures\|errors\|skipped\)="[0-9]*"' | tr '\n' ' ')
+  if [ -z "$counts" ]; then
+    say "FAIL  tests: pytest wrote no report ($junit)"
+    failed=1
+  else
+    say "      tests: $counts"
+    if grep -q 'skipped="[1-9]' <<<"$counts"; then
+      say "FAIL  tests: a GPU test skipped on the GPU machine (the reasons: log.txt, -rs)"
+      failed=1
+    fi
+  fi
+fi
+if want control; then
+  step control 120 "$PY" benchmark/expert_cache/bench_control.py --device cuda &&
+    say "      $LAST"
+fi
+if want step; then
+  step step 300 "$PY" benchmark/expert_cache/bench_gpu_step.py --device cuda --warmup 4 --steps 16 &&
+    say "      $LAST"
+  grep -E '^(# (device|routing|B_P|stand-ins)|c[0-9]+ )' "$LOG" | sed 's/^/      /' >>"$SUMMARY"
+fi
+say "done in $((SECONDS - START))s: $([ $failed = 0 ] && echo 'every step passed' || echo 'FAILED steps above')"
+exit $failed

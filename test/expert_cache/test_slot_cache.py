@@ -41,13 +41,15 @@ def make_cache(size: str, policy: str, seed: int = 0, **kw) -> ExpertSlotCache:
         intermediate_size=I,
         dtype=kw.pop("dtype", torch.bfloat16),
         device=kw.pop("device", "cpu"),
+        host=kw.get("host"),
     )
     g = torch.Generator().manual_seed(seed)
     for layer in range(L):
         cache.register_layer(layer)
         for name in ("w13", "w2"):
-            rows = cache.host_rows(name, layer)
-            rows.copy_((torch.randn(rows.shape, generator=g) * 0.2).to(rows.dtype))
+            if kw.get("host") is None:  # a shared pool is already filled
+                rows = cache.host_rows(name, layer)
+                rows.copy_((torch.randn(rows.shape, generator=g) * 0.2).to(rows.dtype))
     cache.finalize()
     return cache
 
@@ -152,6 +154,36 @@ def test_outputs_identical_across_sizes_and_policies():
     for (layer, x, w, ids), got in zip(calls, base):
         ref = reference(cache, layer, x, w, ids)
         torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_a_shared_host_pool_and_a_chunked_placement_change_nothing(monkeypatch):
+    """A cache built over another cache's host pool (as the benchmarks build several) places
+    and computes exactly as one with its own copy, also when the load-time placement is copied
+    one row at a time; a pool of another shape is refused."""
+    from sglang.srt.layers.moe.expert_cache import cache as cache_module
+
+    own = make_cache("50%", "qstar")
+    monkeypatch.setattr(cache_module, "PLACE_CHUNK_BYTES", 1)  # one row per copy
+    shared = make_cache("50%", "qstar", host=own.host)
+    assert shared.host is own.host
+    for name in ("w13", "w2"):
+        assert torch.equal(shared.slots[name], own.slots[name])
+    assert torch.equal(shared.tables.id_of_slot, own.tables.id_of_slot)
+    fresh = make_cache("50%", "qstar")  # same seed: same pool values, its own copy
+    for layer, x, w, ids in routing(steps=4):
+        assert torch.equal(shared.forward(layer, x, w, ids), fresh.forward(layer, x, w, ids))
+    with pytest.raises(ValueError, match="this cache needs"):
+        ExpertSlotCache(
+            ExpertCacheConfig(),
+            num_layers=L + 1,
+            num_experts=E,
+            top_k=K,
+            hidden_size=H,
+            intermediate_size=I,
+            dtype=torch.bfloat16,
+            device="cpu",
+            host=own.host,
+        )
 
 
 def test_qstar_splits_misses_by_bandwidth_ratio():

@@ -14,11 +14,14 @@ for every cache size and miss policy that
   cache must override it).
 
 Run by ``test_triton_slot_path.py`` in a fresh process, because ``TRITON_INTERPRET`` must be set
-before any Triton kernel is defined. Four stand-ins make upstream's CUDA-only plumbing run on
+before any Triton kernel is defined; the same test runs :func:`check_config` on a GPU in bf16,
+in process, with ``sglang/test/bare_fused_moe.py``'s stand-ins where upstream's CUDA kernel
+wheel is missing. Four stand-ins make upstream's CUDA-only plumbing run on
 the CPU, each what the CUDA path itself does or an equivalent of it:
 
 * ``moe_align_block_size``'s CUDA op is replaced by upstream's own Triton single-launch align
-  (``sglang.kernels.ops.moe.moe_align_small_numel``), which is the op CUDA runs for decode
+  (``sglang.kernels.ops.moe.moe_align_small_numel``, through
+  ``sglang.test.bare_fused_moe.moe_align_block_size``), which is the op CUDA runs for decode
   batches (at most 64 routed entries) once the slot table has more than 63 slots, and which
   implements the same "+1 offset" contract (a -1 id becomes a block with expert id -1, which
   the fused kernel skips and writes as zeros);
@@ -43,9 +46,6 @@ import os
 import sys
 from dataclasses import dataclass
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    sys.exit("run with TRITON_INTERPRET=1 (see the module docstring)")
-
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,17 +53,14 @@ sys.path.insert(0, HERE)
 
 
 def _cpu_stand_ins():
-    """Install the four stand-ins named in the module docstring; returns the runner pieces."""
-    from sglang.kernels.ops.moe.moe_align_small_numel import moe_align_small_numel
+    """Install the four stand-ins named in the module docstring; returns the context that
+    holds the server state."""
+    from sglang.test.bare_fused_moe import moe_align_block_size, server_state
 
     align = importlib.import_module(
         "sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size"
     )
-
-    def triton_align(topk_ids, buckets, block_size, sorted_ids, expert_ids, post_pad, *_a, **_k):
-        moe_align_small_numel(topk_ids, buckets, block_size, sorted_ids, expert_ids, post_pad)
-
-    align.sgl_moe_align_block_size = triton_align
+    align.sgl_moe_align_block_size = moe_align_block_size  # upstream's Triton small-numel align
 
     fused = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
     fused.outplace_fused_experts = fused.outplace_fused_experts.__wrapped__
@@ -72,13 +69,9 @@ def _cpu_stand_ins():
     )
     config.get_device_name = lambda *_a, **_k: "NVIDIA H200"
 
-    from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", device="cpu"))
-    tp = get_parallel().override(tp_group=None)
-    tp.__enter__()
-    return tp
+    state = server_state("cpu")
+    state.__enter__()
+    return state
 
 
 @dataclass
@@ -89,38 +82,48 @@ class Totals:
     max_err: float = 0.0
 
 
-def check_config(size: str, policy: str, totals: Totals) -> None:
+# Max |error| / max(1, max |reference|): fp16 (interpreter) or bf16 (CUDA) experts and
+# activations, fp32 accumulation, one rounding of the intermediate and of the output.
+TOL = 2e-2
+CONFIGS = [("100%", "fill"), ("4", "qstar"), ("25%", "qstar"), ("25%", "cpu"), ("50%", "fill")]
+
+
+def check_config(
+    size: str, policy: str, totals: Totals, device: str = "cpu", dtype=torch.float16
+) -> None:
+    """One cache configuration on ``device`` with ``dtype`` slots and activations (the
+    interpreter: cpu / float16; a GPU: cuda / bfloat16, the cache's own format)."""
     import test_slot_cache
     from test_slot_cache import H, make_cache, reference, routing
 
     import sgl_kernel_fork  # noqa: F401  (torch.ops.sgl_kernel.*)
     from sglang.srt.layers.moe.expert_cache.cuda_branch import slot_experts
 
-    cache = make_cache(size, policy)
+    cache = make_cache(size, policy, device=device)
     runner_config = test_slot_cache.runner_config()
     for layer, x, w, ids in routing(steps=6, seed=3):
-        routing_ = cache.route(layer, ids.contiguous())
-        slot_ids, cpu_ids = routing_.slot_ids, routing_.cpu_ids
-        x16 = x.to(torch.float16)
-        x_before = x16.clone()
-        fp16_slots = {n: cache.slots[n].to(torch.float16) for n in ("w13", "w2")}
-        slot_part = slot_experts(fp16_slots, x16, w, slot_ids, runner_config)
-        assert torch.equal(x16, x_before), "the slot experts wrote into hidden_states"
-        assert slot_part.shape == (x.shape[0], H)
+        routing_ = cache.route(layer, ids.to(device).contiguous())
+        slot_ids, cpu_ids = routing_.slot_ids, routing_.cpu_ids.cpu()
+        x_dev = x.to(device, dtype)
+        x_before = x_dev.clone()
+        slots = {n: cache.slots[n].to(dtype) for n in ("w13", "w2")}
+        slot_part = slot_experts(slots, x_dev, w.to(device), slot_ids, runner_config)
+        assert torch.equal(x_dev, x_before), "the slot experts wrote into hidden_states"
+        assert slot_part.shape == (x.shape[0], H) and slot_part.dtype == dtype
+        slot_part = slot_part.cpu()
         cpu_part = torch.empty(x.shape[0], H, dtype=torch.float32)
         torch.ops.sgl_kernel.moe_experts_cpu(
             x, w, [cpu_ids], [cache.host["w13"]], [cache.host["w2"]], cpu_part, False
         )
-        on_slot = slot_ids >= 0
+        on_slot = slot_ids.cpu() >= 0
         ref_slot = reference(cache, layer, x, w.masked_fill(~on_slot, 0.0), ids)
         ref_all = reference(cache, layer, x, w, ids)
         scale = max(1.0, float(ref_all.abs().max()))
         err_slot = float((slot_part.double() - ref_slot).abs().max()) / scale
         err_all = float((slot_part.double() + cpu_part.double() - ref_all).abs().max()) / scale
-        # fp16 experts and activations, fp32 accumulation, one fp16 rounding of the
-        # intermediate and of the output: a change of MoE kernel, not an error.
-        assert err_slot < 2e-2, f"{size}/{policy} layer {layer}: slot part off by {err_slot}"
-        assert err_all < 2e-2, f"{size}/{policy} layer {layer}: sum off by {err_all}"
+        # a change of MoE kernel and of rounding, not an error
+        assert err_slot <= TOL, f"{size}/{policy} layer {layer}: slot part off by {err_slot}"
+        assert err_all <= TOL, f"{size}/{policy} layer {layer}: sum off by {err_all}"
         totals.calls += 1
         totals.slot_entries += int(on_slot.sum())
         totals.cpu_entries += int((cpu_ids >= 0).sum())
@@ -128,15 +131,11 @@ def check_config(size: str, policy: str, totals: Totals) -> None:
 
 
 def main() -> None:
-    _tp = _cpu_stand_ins()
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (see the module docstring)")
+    _state = _cpu_stand_ins()
     totals = Totals()
-    for size, policy in [
-        ("100%", "fill"),
-        ("4", "qstar"),
-        ("25%", "qstar"),
-        ("25%", "cpu"),
-        ("50%", "fill"),
-    ]:
+    for size, policy in CONFIGS:
         check_config(size, policy, totals)
     assert totals.slot_entries > 0 and totals.cpu_entries > 0
     print(

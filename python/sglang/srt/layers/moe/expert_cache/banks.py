@@ -118,11 +118,14 @@ class ExpertBanks:
         """Page-lock the host banks in place so copies to a GPU run at full bandwidth.
 
         Returns:
-            True when pinned; False when there is no CUDA or the driver refused (the caller
-            falls back to running every expert on the CPU, paper §4.2 "Platform adaptation").
+            True when pinned (also when already pinned, e.g. a pool shared by several caches);
+            False when there is no CUDA or the driver refused (the caller falls back to running
+            every expert on the CPU, paper §4.2 "Platform adaptation").
         """
         if self.device.type != "cpu" or not torch.cuda.is_available():
             return False
+        if self._registered:
+            return True
         cudart = torch.cuda.cudart()
         for name, t in self.tensors.items():
             err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)

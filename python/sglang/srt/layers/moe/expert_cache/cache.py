@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Eager layer calls between two metric exports (graph-replayed calls run no Python: patch 0033).
 METRICS_EVERY_CALLS = 64
+# Host bytes per bank that one step of the load-time placement copy gathers.
+PLACE_CHUNK_BYTES = 256 << 20
 
 
 class ExpertSlotCache:
@@ -62,9 +64,12 @@ class ExpertSlotCache:
         hidden_size, intermediate_size: the expert shape (H, I).
         dtype: expert weight dtype (BF16 only for now).
         device: where the slots live (the model's device).
+        host: an existing host pool of this shape to serve from instead of a new one (several
+            caches over one filled pool, as the benchmarks build them); None = a new, empty
+            pool that the model's weight loading fills through :meth:`host_rows`.
 
     Raises:
-        ValueError: unsupported expert dtype.
+        ValueError: unsupported expert dtype, or a ``host`` pool of another shape or format.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class ExpertSlotCache:
         intermediate_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        host: Optional[ExpertBanks] = None,
     ):
         self.config = config
         self.policy = config.policy
@@ -88,9 +94,21 @@ class ExpertSlotCache:
         self.intermediate_size = intermediate_size
         self.device = torch.device(device)
         self.format = format_for_dtype(dtype)
-        self.host = ExpertBanks(
-            self.format, hidden_size, intermediate_size, num_layers * num_experts, "cpu"
-        )
+        rows = num_layers * num_experts
+        if host is None:
+            host = ExpertBanks(self.format, hidden_size, intermediate_size, rows, "cpu")
+        elif (host.format, host.hidden_size, host.intermediate_size, host.rows) != (
+            self.format,
+            hidden_size,
+            intermediate_size,
+            rows,
+        ) or host.device.type != "cpu":
+            raise ValueError(
+                f"host pool of {host.rows} {host.format.label} experts H{host.hidden_size} "
+                f"x I{host.intermediate_size} on {host.device}; this cache needs {rows} "
+                f"{self.format.label} experts H{hidden_size} x I{intermediate_size} on cpu"
+            )
+        self.host = host
         self.layer_ids: set[int] = set()
         # Set by finalize():
         self.slots: Optional[ExpertBanks] = None
@@ -242,7 +260,10 @@ class ExpertSlotCache:
 
     def _place_at_load(self) -> None:
         """Fill the slots with a neutral load-time placement: experts 0, 1, ... of every MoE
-        layer in turn (each layer gets S / L slots). Policy ``cpu`` keeps it for good."""
+        layer in turn (each layer gets S / L slots). Policy ``cpu`` keeps it for good.
+
+        Copied in chunks of at most :data:`PLACE_CHUNK_BYTES` per bank, so the host never
+        holds a second copy of the slots (at 100% that would be the whole pool again)."""
         layers = sorted(self.layer_ids)
         if not self.num_slots or not layers:
             return
@@ -252,7 +273,11 @@ class ExpertSlotCache:
         ]
         src = torch.tensor(ids, dtype=torch.int64)
         for name, bank in self.slots.tensors.items():
-            bank.copy_(self.host[name].index_select(0, src).to(self.device))
+            host = self.host[name]
+            rows = max(1, PLACE_CHUNK_BYTES // (host[0].numel() * host.element_size()))
+            for lo in range(0, self.num_slots, rows):
+                chunk = host.index_select(0, src[lo : lo + rows])
+                bank[lo : lo + rows].copy_(chunk.to(self.device))
         t = self.tables
         t.id_of_slot.copy_(src.to(torch.int32))
         t.slot_of_id[src.to(self.device)] = torch.arange(

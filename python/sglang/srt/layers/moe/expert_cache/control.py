@@ -7,7 +7,8 @@ set ``q`` from Eq. 4 (``q* = m * B_P / B_H``), picks LRU victims in one pass, up
 and rewrites the routed ids into slot ids or CPU ids; one fused launch
 (:func:`expert_bank_copy`) then copies the filled experts' rows of every weight bank. Everything
 stays on the device: outputs have fixed shapes, the valid counts are device tensors, nothing
-synchronizes with the host, so both ops can be captured in a CUDA graph.
+synchronizes with the host, so both ops can be captured in a CUDA graph (the CUDA kernels'
+design; not yet run on a GPU, see ``scripts/gpu_checks.sh``).
 
 The exact semantics (steps 1-9) are the docstring of :mod:`reference` beside this module. The
 ops run on CPU tensors (C++, ``sgl-kernel/csrc/cpu/expert_cache.cpp``) and on CUDA tensors

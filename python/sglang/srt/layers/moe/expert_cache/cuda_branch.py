@@ -9,7 +9,8 @@ the copy overlaps the CPU work, the premise of the q* split.
 
 * Batches of at most :func:`stream_branch_tokens` tokens (decode): the CPU branch is stream work
   on a side stream, copy + host function + copy (``moe_experts_cpu_enqueue``), forked before and
-  joined after the slot experts. No host sync: a CUDA graph captures it.
+  joined after the slot experts. Designed without a host sync, so that a CUDA graph captures it
+  (not yet run on a GPU: ``scripts/gpu_checks.sh`` runs ``test_cuda_cache.py``, which captures it).
 * Larger batches (prefill chunks): the CPU ids are handed over with one sync, the executor is
   submitted, the device computes meanwhile, then the sum.
 

@@ -1,0 +1,208 @@
+"""Upstream's Triton fused MoE outside a server, on a GPU machine without upstream's CUDA kernels.
+
+The expert cache's device side (``expert_cache.cuda_branch.slot_experts``) is upstream's
+``fused_experts``: two Triton GEMMs and a Triton sum, plus glue ops that on CUDA come from
+upstream's ``sglang-kernel`` wheel (``import sgl_kernel``) or from kernels JIT-compiled through
+tvm-ffi at first use. The lent GPU machine (``scripts/gpu_checks.sh``) has torch, Triton and
+nvcc but no package registry, and that wheel (~1.5 GB) cannot travel there.
+:func:`install_cuda_standins` replaces exactly the glue ops our path reaches, each by an
+equivalent, and says which it replaced:
+
+* ``sgl_kernel.moe_align_block_size`` (slot tables of at most 63 slots, or more than 64 routed
+  entries): upstream's own Triton single-launch align,
+  ``sglang.kernels.ops.moe.moe_align_small_numel``, which CUDA itself runs for decode batches
+  on larger tables; the same "+1 offset" contract (a -1 entry lands in a block of expert -1,
+  which the GEMMs skip). It is correct at any size but its pairwise tensors grow as
+  ``numel ** 2``, so batches of more than :data:`ALIGN_MAX_ENTRIES` routed entries are refused;
+* ``sgl_kernel.moe_sum_reduce`` (the top-k sum of batches above 32 tokens): the sum over k in
+  float32, times the scaling factor, rounded once to the output dtype;
+* ``fused_moe.silu_and_mul`` (a tvm-ffi JIT kernel): ``silu(gate) * up`` in float32, rounded
+  once to the output dtype;
+* any other name of ``sgl_kernel`` or of a submodule (upstream imports many at module import
+  that this path never calls): a function that raises ``RuntimeError`` naming itself when
+  called, so nothing is silently computed by a stub.
+
+The GEMMs, the top-k sum of decode batches and the kernel configuration are upstream's,
+unchanged. :func:`server_state` sets the little server state ``fused_experts`` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
+from typing import Iterator, List
+
+import torch
+
+# Routed entries (tokens x top-k) above which the align stand-in refuses: its [NP, NP] pairwise
+# tensors (NP = the next power of two) spill past 64 and would not fit one block far above this.
+ALIGN_MAX_ENTRIES = 256
+
+_INSTALLED: List[str] = []
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size: int,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_pad: torch.Tensor,
+    cumsum_buffer: torch.Tensor,
+    pad_sorted_token_ids: bool = False,
+    ignore_invalid_expert: bool = False,
+) -> None:
+    """``sgl_kernel.moe_align_block_size`` through upstream's Triton single-launch align.
+
+    Args:
+        topk_ids: [T, K] routed ids in ``[-1, num_experts - 1)``.
+        num_experts: the bucket count ``E + 1`` of the "+1 offset" convention.
+        block_size: rows per GEMM block (``BLOCK_SIZE_M``).
+        sorted_token_ids, expert_ids, num_tokens_post_pad: the outputs, written in place.
+        cumsum_buffer: unused (a single block needs no scratch).
+        pad_sorted_token_ids: fill all of ``sorted_token_ids`` with ``T * K`` first, as the
+            CUDA kernel does.
+
+    Raises:
+        NotImplementedError: ``ignore_invalid_expert`` (another contract) or more than
+            :data:`ALIGN_MAX_ENTRIES` routed entries.
+    """
+    if ignore_invalid_expert or topk_ids.numel() > ALIGN_MAX_ENTRIES:
+        raise NotImplementedError(
+            f"the stand-in moe_align_block_size (sglang/test/bare_fused_moe.py) handles the "
+            f"+1-offset contract for at most {ALIGN_MAX_ENTRIES} routed entries; got "
+            f"{topk_ids.numel()} entries, ignore_invalid_expert={ignore_invalid_expert}. "
+            "Install upstream's sglang-kernel for larger batches"
+        )
+    from sglang.kernels.ops.moe.moe_align_small_numel import moe_align_small_numel
+
+    if pad_sorted_token_ids:
+        sorted_token_ids.fill_(topk_ids.numel())
+    moe_align_small_numel(
+        topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad
+    )
+
+
+def moe_sum_reduce(x: torch.Tensor, out: torch.Tensor, routed_scaling_factor: float) -> None:
+    """``sgl_kernel.moe_sum_reduce``: ``out[t] = scale * sum_k x[t, k]`` (x [T, K, H], out [T, H]),
+    summed in float32 and rounded once."""
+    out.copy_(x.float().sum(dim=1).mul_(float(routed_scaling_factor)))
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor, **_row_filter) -> torch.Tensor:
+    """Upstream's JIT ``silu_and_mul``: ``out = silu(x[:, :d]) * x[:, d:]`` (x [N, 2d],
+    out [N, d]) in float32, rounded once. The row filter (rows upstream may skip because the
+    down GEMM never reads them) is ignored: every row is computed."""
+    d = x.shape[-1] // 2
+    g = x[..., :d].float()
+    out.copy_(torch.nn.functional.silu(g) * x[..., d:].float())
+    return out
+
+
+class _Missing:
+    """A name of upstream's wheel that this machine lacks: attributes are further such names
+    (module-level code such as ``scalar_types.uint4b8`` reads them), a call raises."""
+
+    def __init__(self, qualname: str):
+        self._qualname = qualname
+
+    def __getattr__(self, name: str) -> "_Missing":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Missing(f"{self._qualname}.{name}")
+
+    def __call__(self, *_args, **_kwargs):
+        raise RuntimeError(
+            f"{self._qualname} is upstream's CUDA kernel (the sglang-kernel wheel), absent on "
+            "this machine; sglang/test/bare_fused_moe.py stands in only for the ops the expert "
+            "cache's slot path calls"
+        )
+
+    def __repr__(self) -> str:
+        return f"<missing {self._qualname}>"
+
+
+class _StandinModule(types.ModuleType):
+    """``sgl_kernel`` or a submodule: real stand-ins where set, else raising functions."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        missing = _Missing(f"{self.__name__}.{name}")
+        setattr(self, name, missing)
+        return missing
+
+
+class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StandinModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        if module.__name__ == "sgl_kernel":
+            module.moe_align_block_size = moe_align_block_size
+            module.moe_sum_reduce = moe_sum_reduce
+
+
+def has_real_package(name: str) -> bool:
+    """Whether ``import name`` finds a module with code, not only a namespace package: a folder
+    of that name on ``sys.path`` without ``__init__.py``, such as this repository's
+    ``test/sgl_kernel/`` once pytest has put ``test/`` on the path."""
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return getattr(loaded, "__file__", None) is not None
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+def install_cuda_standins() -> List[str]:
+    """Make upstream's fused MoE importable and runnable on CUDA without ``sglang-kernel``.
+
+    Does nothing (and returns ``[]``) without CUDA, or where ``sgl_kernel`` imports (upstream's
+    wheel; on a CPU-only machine our alias). Otherwise registers the stand-in ``sgl_kernel``,
+    imports ``fused_moe`` and replaces its ``silu_and_mul``. Call it before anything imports
+    upstream's MoE layers; later calls return the same list.
+
+    Returns:
+        One line per replaced op, naming what replaces it (for the GPU checks' summary).
+    """
+    if _INSTALLED or not torch.cuda.is_available():
+        return list(_INSTALLED)
+    if has_real_package("sgl_kernel"):
+        return []  # upstream's wheel (or our CPU alias) is there: nothing to stand in for
+    for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
+        del sys.modules[name]  # a namespace package imported before (test/sgl_kernel/)
+    sys.meta_path.insert(0, _StandinFinder())
+    fused = importlib.import_module("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
+    fused.silu_and_mul = silu_and_mul
+    _INSTALLED.extend(
+        [
+            "sgl_kernel.moe_align_block_size -> upstream's Triton moe_align_small_numel",
+            "sgl_kernel.moe_sum_reduce -> torch float32 sum over top-k",
+            "fused_moe.silu_and_mul (tvm-ffi JIT) -> torch float32 silu(gate) * up",
+            "other sgl_kernel names -> raise RuntimeError when called",
+        ]
+    )
+    return list(_INSTALLED)
+
+
+@contextlib.contextmanager
+def server_state(device: str) -> Iterator[None]:
+    """The server state ``fused_experts`` reads outside a server: default server arguments on
+    ``device`` (``cuda`` or ``cpu``) and no tensor-parallel group (one device)."""
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", device=device))
+    with get_parallel().override(tp_group=None):
+        yield
