@@ -7,7 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 import sglang.srt.runtime_context as runtime_context
-from sglang.srt.layers.moe.expert_cache.method import ExpertCacheMoEMethod, make_for_layer
+from sglang.srt.layers.moe.expert_cache.method import (
+    ExpertCacheMoEMethod,
+    make_for_layer,
+    output_scale,
+)
 from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
@@ -57,7 +61,7 @@ def test_a_plain_bf16_layer_gets_the_cache_method(monkeypatch):
 
 def test_every_problem_is_listed_with_what_to_change(monkeypatch):
     _context(monkeypatch, tp=2, paged=True, expert_cache_max_fills=0)
-    layer = _layer(activation="gelu", apply_router_weight_on_input=True, routed_scaling_factor=2.5)
+    layer = _layer(activation="gelu", apply_router_weight_on_input=True)
     layer.num_fused_shared_experts = 1
     with pytest.raises(RuntimeError) as err:
         make_for_layer(layer, object())
@@ -68,8 +72,33 @@ def test_every_problem_is_listed_with_what_to_change(monkeypatch):
         "experts are not supported yet: serve the bf16 checkpoint",
         "only gated SiLU experts are supported (got gelu",
         "router weights applied on the input are not supported",
-        "a routed scaling factor is not supported yet",
         "add --disable-shared-experts-fusion",
         "--expert-cache-max-fills must be >= 1",
     ):
         assert part in msg, (part, msg)
+
+
+def test_a_routed_scaling_factor_is_accepted(monkeypatch):
+    """GLM-4.5 / DeepSeek-V3 layers (factor 2.5): the cache applies it where upstream does."""
+    _context(monkeypatch)
+    assert isinstance(
+        make_for_layer(_layer(routed_scaling_factor=2.5), _unquant()), ExpertCacheMoEMethod
+    )
+
+
+@pytest.mark.parametrize(
+    "factor,device,fused_in_topk,want",
+    [
+        (2.5, "cpu", False, None),  # the model multiplies the layer's output (glm4_moe.py:619)
+        (2.5, "cuda", False, 2.5),  # the Triton combine multiplies its fp32 sum
+        (2.5, "cuda", True, None),  # the router weights already carry it
+        (None, "cuda", False, None),
+        (1.0, "cuda", False, None),
+    ],
+)
+def test_output_scale_follows_upstreams_stock_path(factor, device, fused_in_topk, want):
+    import torch
+
+    layer = SimpleNamespace(should_fuse_routed_scaling_factor_in_topk=fused_in_topk)
+    cfg = MoeRunnerConfig(routed_scaling_factor=factor)
+    assert output_scale(layer, cfg, torch.device(device)) == want

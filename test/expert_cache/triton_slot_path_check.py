@@ -11,7 +11,10 @@ for every cache size and miss policy that
   control step sent to slots (so CPU and padding entries, -1 in ``slot_ids``, add nothing);
 * slot partial + CPU-executor partial equals the float64 reference of the whole MoE layer;
 * ``hidden_states`` is left untouched (the layer's runner config says ``inplace=True``; the
-  cache must override it).
+  cache must override it);
+* with a routed scaling factor in the runner config (one configuration, 2.5 as GLM-4.5), the
+  slot partial is still unscaled (upstream's combine would scale it, the CPU partial not), and
+  ``cuda_branch._combine`` scales the sum of both once.
 
 Run by ``test_triton_slot_path.py`` in a fresh process, because ``TRITON_INTERPRET`` must be set
 before any Triton kernel is defined. Four stand-ins make upstream's CUDA-only plumbing run on
@@ -89,15 +92,17 @@ class Totals:
     max_err: float = 0.0
 
 
-def check_config(size: str, policy: str, totals: Totals) -> None:
+def check_config(size: str, policy: str, totals: Totals, factor: float | None = None) -> None:
+    from dataclasses import replace
+
     import test_slot_cache
     from test_slot_cache import H, make_cache, reference, routing
 
     import sgl_kernel_fork  # noqa: F401  (torch.ops.sgl_kernel.*)
-    from sglang.srt.layers.moe.expert_cache.cuda_branch import slot_experts
+    from sglang.srt.layers.moe.expert_cache.cuda_branch import _combine, slot_experts
 
     cache = make_cache(size, policy)
-    runner_config = test_slot_cache.runner_config()
+    runner_config = replace(test_slot_cache.runner_config(), routed_scaling_factor=factor)
     for layer, x, w, ids in routing(steps=6, seed=3):
         routing_ = cache.route(layer, ids.contiguous())
         slot_ids, cpu_ids = routing_.slot_ids, routing_.cpu_ids
@@ -121,6 +126,12 @@ def check_config(size: str, policy: str, totals: Totals) -> None:
         # intermediate and of the output: a change of MoE kernel, not an error.
         assert err_slot < 2e-2, f"{size}/{policy} layer {layer}: slot part off by {err_slot}"
         assert err_all < 2e-2, f"{size}/{policy} layer {layer}: sum off by {err_all}"
+        if factor is not None:
+            combined = _combine(slot_part, cpu_part, factor, torch.float16)
+            err_scaled = float((combined.double() - factor * ref_all).abs().max()) / (
+                factor * scale
+            )
+            assert err_scaled < 2e-2, f"{size}/{policy} layer {layer}: scaled sum {err_scaled}"
         totals.calls += 1
         totals.slot_entries += int(on_slot.sum())
         totals.cpu_entries += int((cpu_ids >= 0).sum())
@@ -130,14 +141,14 @@ def check_config(size: str, policy: str, totals: Totals) -> None:
 def main() -> None:
     _tp = _cpu_stand_ins()
     totals = Totals()
-    for size, policy in [
+    for size, policy, *factor in [
         ("100%", "fill"),
         ("4", "qstar"),
         ("25%", "qstar"),
         ("25%", "cpu"),
-        ("50%", "fill"),
+        ("50%", "fill", 2.5),
     ]:
-        check_config(size, policy, totals)
+        check_config(size, policy, totals, *factor)
     assert totals.slot_entries > 0 and totals.cpu_entries > 0
     print(
         f"triton_slot_path calls={totals.calls} slot_entries={totals.slot_entries} "
