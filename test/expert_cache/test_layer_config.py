@@ -72,7 +72,7 @@ def test_every_problem_is_listed_with_what_to_change(monkeypatch):
         "experts are not supported yet: serve the bf16 checkpoint",
         "only gated SiLU experts are supported (got gelu",
         "router weights applied on the input are not supported",
-        "add --disable-shared-experts-fusion",
+        "drop --enforce-shared-experts-fusion",
         "--expert-cache-max-fills must be >= 1",
     ):
         assert part in msg, (part, msg)
@@ -102,3 +102,47 @@ def test_output_scale_follows_upstreams_stock_path(factor, device, fused_in_topk
     layer = SimpleNamespace(should_fuse_routed_scaling_factor_in_topk=fused_in_topk)
     cfg = MoeRunnerConfig(routed_scaling_factor=factor)
     assert output_scale(layer, cfg, torch.device(device)) == want
+
+
+class _FusingModel:
+    """A model class whose own gate allows fusing one shared expert (GLM-4.5 on CUDA)."""
+
+    @classmethod
+    def shared_experts_fusion_disable_reason(cls, hf_config, quant_config):
+        return None
+
+    @classmethod
+    def num_fusable_shared_experts(cls, hf_config):
+        return 1
+
+
+@pytest.mark.parametrize("cache,enforce", [(True, False), (False, False), (True, True)])
+def test_expert_cache_turns_shared_expert_fusion_off(monkeypatch, cache, enforce):
+    """Patch 0034: with --enable-expert-cache, upstream's resolve_shared_experts_config builds
+    the model unfused and logs why (through its log_info_on_rank0, which logs only on rank 0 of
+    a started process group, so it is captured here); without the cache (or with fusion
+    enforced, which make_for_layer then refuses) the model's own gate decides."""
+    from sglang.srt.layers.moe import utils as moe_utils
+
+    logged = []
+    monkeypatch.setattr(moe_utils, "log_info_on_rank0", lambda _logger, msg: logged.append(msg))
+
+    moe = SimpleNamespace(
+        enable_expert_cache=cache,
+        enforce_shared_experts_fusion=enforce,
+        disable_shared_experts_fusion=False,
+        enable_waterfill=False,
+    )
+    exec_ = lambda: SimpleNamespace(moe=moe)  # noqa: E731
+    monkeypatch.setattr(runtime_context, "get_exec", exec_)
+    monkeypatch.setattr(moe_utils, "get_exec", exec_)
+    got = moe_utils.resolve_shared_experts_config(_FusingModel, None, None)
+    if cache and not enforce:
+        assert got.fusion_disabled and got.num_fused_shared_experts == 0
+        assert logged == [
+            "--enable-expert-cache runs shared experts unfused, as a resident MLP beside the "
+            "expert-slot cache. Shared experts fusion optimization is disabled."
+        ]
+    else:
+        assert not got.fusion_disabled and got.num_fused_shared_experts == 1
+        assert logged == []

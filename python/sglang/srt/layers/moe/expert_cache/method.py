@@ -6,8 +6,10 @@ layer's ``w13_weight`` / ``w2_weight`` parameters become views of the layer's ro
 host pool, so upstream's weight loader writes every expert straight into the pool.
 
 Routing stays upstream's ``TopK`` (softmax or sigmoid, grouped top-k, correction bias): the
-method receives the routed ids and weights. ``routed_scaling_factor`` is applied where
-upstream's stock path applies it for the same device (:func:`output_scale`).
+method receives the routed ids and weights. Shared experts run unfused beside the cache, as the
+model's own MLP (patch ``0034-expert-cache-unfused-shared-experts`` turns fusion off before the
+model is built). ``routed_scaling_factor`` is applied where upstream's stock path applies it for
+the same device (:func:`output_scale`).
 """
 
 from __future__ import annotations
@@ -164,6 +166,29 @@ def output_scale(layer, moe_runner_config, device: torch.device) -> Optional[flo
     return float(factor)
 
 
+def shared_experts_fusion_disable_reason() -> Optional[str]:
+    """Why the model must not fuse its shared experts into the routed ``FusedMoE``, or None.
+
+    Called by patch ``0034-expert-cache-unfused-shared-experts`` from upstream's
+    ``resolve_shared_experts_config`` (``layers/moe/utils.py``) before the model is built,
+    ahead of the model's own reason; upstream logs it with "Shared experts fusion optimization
+    is disabled." A fused shared expert would be one more routed expert of every token, kept in
+    the host pool and competing for slots; unfused it stays a resident dense MLP beside the
+    cache (it runs for every token, so it gains nothing from a cache).
+    """
+    from sglang.srt.runtime_context import get_exec
+
+    moe = get_exec().moe
+    if not getattr(moe, "enable_expert_cache", False):
+        return None
+    if getattr(moe, "enforce_shared_experts_fusion", False):
+        return None  # make_for_layer then names the conflict
+    return (
+        "--enable-expert-cache runs shared experts unfused, as a resident MLP beside the "
+        "expert-slot cache."
+    )
+
+
 def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     """The expert-cache method for ``layer`` (a ``FusedMoE``), replacing ``base_method``.
 
@@ -208,7 +233,8 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
         )
     if getattr(layer, "num_fused_shared_experts", 0):
         problems.append(
-            "fused shared experts are not supported (add --disable-shared-experts-fusion)"
+            "fused shared experts are not supported: drop --enforce-shared-experts-fusion "
+            "(the cache runs shared experts unfused)"
         )
     try:
         config = ExpertCacheConfig.from_server_args(moe)
