@@ -20,7 +20,11 @@ import requests
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / ".models"
-DEFAULT_MODELS = {"qwen3_next": "qwen3-next-tiny", "qwen3_moe": "qwen3-moe-tiny"}
+DEFAULT_MODELS = {
+    "qwen3_next": "qwen3-next-tiny",
+    "qwen3_moe": "qwen3-moe-tiny",
+    "glm4_moe": "glm4-moe-tiny",
+}
 
 
 def ensure_model(arch: str = "qwen3_next") -> Path:

@@ -7,7 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 import sglang.srt.runtime_context as runtime_context
-from sglang.srt.layers.moe.expert_cache.method import ExpertCacheMoEMethod, make_for_layer
+from sglang.srt.layers.moe.expert_cache.method import (
+    ExpertCacheMoEMethod,
+    make_for_layer,
+    output_scale,
+)
 from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
@@ -57,7 +61,7 @@ def test_a_plain_bf16_layer_gets_the_cache_method(monkeypatch):
 
 def test_every_problem_is_listed_with_what_to_change(monkeypatch):
     _context(monkeypatch, tp=2, paged=True, expert_cache_max_fills=0)
-    layer = _layer(activation="gelu", apply_router_weight_on_input=True, routed_scaling_factor=2.5)
+    layer = _layer(activation="gelu", apply_router_weight_on_input=True)
     layer.num_fused_shared_experts = 1
     with pytest.raises(RuntimeError) as err:
         make_for_layer(layer, object())
@@ -68,8 +72,77 @@ def test_every_problem_is_listed_with_what_to_change(monkeypatch):
         "experts are not supported yet: serve the bf16 checkpoint",
         "only gated SiLU experts are supported (got gelu",
         "router weights applied on the input are not supported",
-        "a routed scaling factor is not supported yet",
-        "add --disable-shared-experts-fusion",
+        "drop --enforce-shared-experts-fusion",
         "--expert-cache-max-fills must be >= 1",
     ):
         assert part in msg, (part, msg)
+
+
+def test_a_routed_scaling_factor_is_accepted(monkeypatch):
+    """GLM-4.5 / DeepSeek-V3 layers (factor 2.5): the cache applies it where upstream does."""
+    _context(monkeypatch)
+    assert isinstance(
+        make_for_layer(_layer(routed_scaling_factor=2.5), _unquant()), ExpertCacheMoEMethod
+    )
+
+
+@pytest.mark.parametrize(
+    "factor,device,fused_in_topk,want",
+    [
+        (2.5, "cpu", False, None),  # the model multiplies the layer's output (glm4_moe.py:619)
+        (2.5, "cuda", False, 2.5),  # the Triton combine multiplies its fp32 sum
+        (2.5, "cuda", True, None),  # the router weights already carry it
+        (None, "cuda", False, None),
+        (1.0, "cuda", False, None),
+    ],
+)
+def test_output_scale_follows_upstreams_stock_path(factor, device, fused_in_topk, want):
+    import torch
+
+    layer = SimpleNamespace(should_fuse_routed_scaling_factor_in_topk=fused_in_topk)
+    cfg = MoeRunnerConfig(routed_scaling_factor=factor)
+    assert output_scale(layer, cfg, torch.device(device)) == want
+
+
+class _FusingModel:
+    """A model class whose own gate allows fusing one shared expert (GLM-4.5 on CUDA)."""
+
+    @classmethod
+    def shared_experts_fusion_disable_reason(cls, hf_config, quant_config):
+        return None
+
+    @classmethod
+    def num_fusable_shared_experts(cls, hf_config):
+        return 1
+
+
+@pytest.mark.parametrize("cache,enforce", [(True, False), (False, False), (True, True)])
+def test_expert_cache_turns_shared_expert_fusion_off(monkeypatch, cache, enforce):
+    """Patch 0034: with --enable-expert-cache, upstream's resolve_shared_experts_config builds
+    the model unfused and logs why (through its log_info_on_rank0, which logs only on rank 0 of
+    a started process group, so it is captured here); without the cache (or with fusion
+    enforced, which make_for_layer then refuses) the model's own gate decides."""
+    from sglang.srt.layers.moe import utils as moe_utils
+
+    logged = []
+    monkeypatch.setattr(moe_utils, "log_info_on_rank0", lambda _logger, msg: logged.append(msg))
+
+    moe = SimpleNamespace(
+        enable_expert_cache=cache,
+        enforce_shared_experts_fusion=enforce,
+        disable_shared_experts_fusion=False,
+        enable_waterfill=False,
+    )
+    exec_ = lambda: SimpleNamespace(moe=moe)  # noqa: E731
+    monkeypatch.setattr(runtime_context, "get_exec", exec_)
+    monkeypatch.setattr(moe_utils, "get_exec", exec_)
+    got = moe_utils.resolve_shared_experts_config(_FusingModel, None, None)
+    if cache and not enforce:
+        assert got.fusion_disabled and got.num_fused_shared_experts == 0
+        assert logged == [
+            "--enable-expert-cache runs shared experts unfused, as a resident MLP beside the "
+            "expert-slot cache. Shared experts fusion optimization is disabled."
+        ]
+    else:
+        assert not got.fusion_disabled and got.num_fused_shared_experts == 1
+        assert logged == []

@@ -186,6 +186,22 @@ def test_a_shared_host_pool_and_a_chunked_placement_change_nothing(monkeypatch):
         )
 
 
+@pytest.mark.parametrize("size,policy", [("100%", "fill"), (str(K), "qstar")])
+def test_scale_multiplies_the_fp32_sum_before_its_one_rounding(size, policy):
+    """``forward(scale=s)`` (the routed scaling factor where upstream applies it inside the
+    layer, ``method.output_scale``): bf16(s * the fp32 routed sum), bit for bit, for any split
+    between slots and host pool; the fp32 sum is the executor's over the host pool alone."""
+    cache = make_cache(size, policy)
+    for layer, x, w, ids in routing(steps=4):
+        got = cache.forward(layer, x, w, ids, scale=2.5)
+        fp32_sum = torch.empty(x.shape[0], H, dtype=torch.float32)
+        host_ids = torch.where(ids >= 0, ids + layer * E, ids).to(torch.int32)
+        torch.ops.sgl_kernel.moe_experts_cpu(
+            x, w.float(), [host_ids], [cache.host["w13"]], [cache.host["w2"]], fp32_sum, False
+        )
+        assert torch.equal(got, (fp32_sum * 2.5).to(torch.bfloat16)), (size, policy, layer)
+
+
 def test_qstar_splits_misses_by_bandwidth_ratio():
     """With B_P / B_H = 0.5 a call with m misses fills round(m / 2) (at least one)."""
     cache = make_cache(str(L * E), "qstar", fill_gbps=1.0, cpu_gbps=2.0)

@@ -53,8 +53,8 @@ def test_slot_experts_on_cuda_in_bf16_add_up_with_the_cpu_branch():
     print("stand-ins:", install_cuda_standins() or "none (upstream's CUDA kernels present)")
     totals = Totals()
     with server_state("cuda"):
-        for size, policy in CONFIGS:
-            check_config(size, policy, totals, device="cuda", dtype=torch.bfloat16)
+        for size, policy, *factor in CONFIGS:
+            check_config(size, policy, totals, *factor, device="cuda", dtype=torch.bfloat16)
     assert totals.calls == 90 and totals.slot_entries > 0 and totals.cpu_entries > 0
     assert totals.max_err <= TOL
     print(f"triton_slot_path_cuda calls={totals.calls} max_err={totals.max_err:.2e}")

@@ -11,7 +11,10 @@ for every cache size and miss policy that
   control step sent to slots (so CPU and padding entries, -1 in ``slot_ids``, add nothing);
 * slot partial + CPU-executor partial equals the float64 reference of the whole MoE layer;
 * ``hidden_states`` is left untouched (the layer's runner config says ``inplace=True``; the
-  cache must override it).
+  cache must override it);
+* with a routed scaling factor in the runner config (one configuration, 2.5 as GLM-4.5), the
+  slot partial is still unscaled (upstream's combine would scale it, the CPU partial not), and
+  ``cuda_branch._combine`` scales the sum of both once.
 
 Run by ``test_triton_slot_path.py`` in a fresh process, because ``TRITON_INTERPRET`` must be set
 before any Triton kernel is defined; the same test runs :func:`check_config` on a GPU in bf16,
@@ -85,22 +88,37 @@ class Totals:
 # Max |error| / max(1, max |reference|): fp16 (interpreter) or bf16 (CUDA) experts and
 # activations, fp32 accumulation, one rounding of the intermediate and of the output.
 TOL = 2e-2
-CONFIGS = [("100%", "fill"), ("4", "qstar"), ("25%", "qstar"), ("25%", "cpu"), ("50%", "fill")]
+# (size, policy[, routed scaling factor]): the last one as GLM-4.5 scales its routed experts.
+CONFIGS = [
+    ("100%", "fill"),
+    ("4", "qstar"),
+    ("25%", "qstar"),
+    ("25%", "cpu"),
+    ("50%", "fill", 2.5),
+]
 
 
 def check_config(
-    size: str, policy: str, totals: Totals, device: str = "cpu", dtype=torch.float16
+    size: str,
+    policy: str,
+    totals: Totals,
+    factor: float | None = None,
+    device: str = "cpu",
+    dtype=torch.float16,
 ) -> None:
     """One cache configuration on ``device`` with ``dtype`` slots and activations (the
-    interpreter: cpu / float16; a GPU: cuda / bfloat16, the cache's own format)."""
+    interpreter: cpu / float16; a GPU: cuda / bfloat16, the cache's own format), with
+    ``factor`` as the runner config's routed scaling factor."""
+    from dataclasses import replace
+
     import test_slot_cache
     from test_slot_cache import H, make_cache, reference, routing
 
     import sgl_kernel_fork  # noqa: F401  (torch.ops.sgl_kernel.*)
-    from sglang.srt.layers.moe.expert_cache.cuda_branch import slot_experts
+    from sglang.srt.layers.moe.expert_cache.cuda_branch import _combine, slot_experts
 
     cache = make_cache(size, policy, device=device)
-    runner_config = test_slot_cache.runner_config()
+    runner_config = replace(test_slot_cache.runner_config(), routed_scaling_factor=factor)
     for layer, x, w, ids in routing(steps=6, seed=3):
         routing_ = cache.route(layer, ids.to(device).contiguous())
         slot_ids, cpu_ids = routing_.slot_ids, routing_.cpu_ids.cpu()
@@ -124,6 +142,12 @@ def check_config(
         # a change of MoE kernel and of rounding, not an error
         assert err_slot <= TOL, f"{size}/{policy} layer {layer}: slot part off by {err_slot}"
         assert err_all <= TOL, f"{size}/{policy} layer {layer}: sum off by {err_all}"
+        if factor is not None:
+            combined = _combine(slot_part, cpu_part, factor, dtype)
+            err_scaled = float((combined.double() - factor * ref_all).abs().max()) / (
+                factor * scale
+            )
+            assert err_scaled <= TOL, f"{size}/{policy} layer {layer}: scaled sum {err_scaled}"
         totals.calls += 1
         totals.slot_entries += int(on_slot.sum())
         totals.cpu_entries += int((cpu_ids >= 0).sum())
@@ -135,8 +159,8 @@ def main() -> None:
         sys.exit("run with TRITON_INTERPRET=1 (see the module docstring)")
     _state = _cpu_stand_ins()
     totals = Totals()
-    for size, policy in CONFIGS:
-        check_config(size, policy, totals)
+    for size, policy, *factor in CONFIGS:
+        check_config(size, policy, totals, *factor)
     assert totals.slot_entries > 0 and totals.cpu_entries > 0
     print(
         f"triton_slot_path calls={totals.calls} slot_entries={totals.slot_entries} "

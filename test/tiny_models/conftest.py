@@ -75,6 +75,11 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def glm_dir(tmp_path_factory):
+    return tiny_models.build("glm4_moe", tmp_path_factory.mktemp("m") / "glm4_moe")
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(next_dir):
     from transformers import AutoTokenizer
 

@@ -18,8 +18,8 @@ FILES = [
 ]
 
 
-def test_output_files(next_dir, moe_dir):
-    for d in (next_dir, moe_dir):
+def test_output_files(next_dir, moe_dir, glm_dir):
+    for d in (next_dir, moe_dir, glm_dir):
         assert sorted(os.listdir(d)) == sorted(FILES)
 
 

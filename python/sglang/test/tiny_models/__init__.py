@@ -1,6 +1,7 @@
 """Tiny random-weight models with real architectures, built locally (no downloads).
 
-``python -m sglang.test.tiny_models --arch {qwen3_next,qwen3_moe} --out DIR [--seed N] [--force]``
+``python -m sglang.test.tiny_models --arch {qwen3_next,qwen3_moe,glm4_moe} --out DIR [--seed N]
+[--force]``
 writes a deterministic checkpoint (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a Qwen3-style chat template, generation_config.json) that
 ``transformers.AutoModelForCausalLM`` and SGLang load. The default architecture is Qwen3-Next

@@ -1,13 +1,14 @@
-"""Build tiny random-weight Qwen3-Next / Qwen3-MoE checkpoints (config, weights, tokenizer).
+"""Build tiny random-weight Qwen3-Next / Qwen3-MoE / GLM-4.5-MoE checkpoints (config, weights,
+tokenizer).
 
 Everything is deterministic: the same ``seed`` gives byte-identical files on every run. Each
 tensor is drawn from its own generator seeded by (seed, tensor name), so changing one shape
 leaves every other tensor unchanged. Weights are drawn in float32 and rounded to bfloat16,
 which is what is stored, so a float32 run of the model is an exact upcast.
 
-The checkpoint uses the original Hugging Face Qwen layout (one tensor per expert projection,
-``mlp.experts.{j}.gate_proj.weight``...), which both transformers (it fuses experts on load)
-and SGLang's model loaders read.
+The checkpoint uses the original Hugging Face layout of the released Qwen and GLM checkpoints (one
+tensor per expert projection, ``mlp.experts.{j}.gate_proj.weight``...), which both transformers
+(it fuses experts on load) and SGLang's model loaders read.
 """
 
 from __future__ import annotations
@@ -61,9 +62,24 @@ NORM_WEIGHT_STD = 0.05  # RMSNorm weights are 1 (+ this much noise) so loading b
 QK_NORM_SCALE = 1.5  # q/k RMSNorm gain: attention logits std ~QK_NORM_SCALE**2 (not too flat)
 A_MIN, A_MAX = 0.02, 1.0  # gated DeltaNet decay rates
 DT_BIAS = -2.0
+ATTN_BIAS_STD = 0.1  # GLM's q/k/v projection biases (attention_bias=True in the releases)
+# GLM's e_score_correction_bias: added to the sigmoid scores (in (0, 1), spread ~0.2 at
+# ROUTER_LOGIT_STD) for the choice of experts only, so it moves some choices without deciding
+# them; the weights are the unbiased scores.
+SCORE_BIAS_STD = 0.05
+
+# GLM-4.5 MoE features (zai-org/GLM-4.5 config.json: routed_scaling_factor 2.5, one shared
+# expert, first layers dense, sigmoid routing with a correction bias). The releases route with
+# n_group = topk_group = 1; here 8 groups of 8 experts, 4 groups kept (DeepSeek-V3's shape), so
+# the grouped top-k is exercised too.
+GLM_ROUTED_SCALING_FACTOR = 2.5
+GLM_N_GROUP = 8
+GLM_TOPK_GROUP = 4
+GLM_FIRST_K_DENSE = 1
+GLM_DENSE_INTERMEDIATE = 512
 
 
-ARCHS = ("qwen3_next", "qwen3_moe")
+ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe")
 
 
 def _common_config() -> dict:
@@ -101,8 +117,55 @@ def _common_config() -> dict:
     }
 
 
+def _glm4_moe_config() -> dict:
+    """config.json of the GLM-4.5-style model: the keys of zai-org/GLM-4.5's config.json (read
+    by transformers' ``Glm4MoeConfig`` and SGLang's ``Glm4MoeForCausalLM``), tiny sizes."""
+    ids = tok_mod.added_token_ids()
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "first_k_dense_replace": GLM_FIRST_K_DENSE,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": GLM_DENSE_INTERMEDIATE,  # the dense layers' MLP
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "model_type": "glm4_moe",
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "n_group": GLM_N_GROUP,
+        "n_routed_experts": NUM_EXPERTS,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": NUM_HEADS,
+        "num_experts_per_tok": TOP_K,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        # The releases carry one multi-token-prediction layer (model.layers.{L}); the tiny model
+        # has none, so both loaders build a plain decoder.
+        "num_nextn_predict_layers": 0,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": ROPE_THETA,
+        "routed_scaling_factor": GLM_ROUTED_SCALING_FACTOR,
+        "tie_word_embeddings": False,
+        "topk_group": GLM_TOPK_GROUP,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_qk_norm": True,
+        "vocab_size": tok_mod.VOCAB_SIZE,
+    }
+
+
 def model_config(arch: str) -> dict:
-    """config.json contents for ``arch`` (keys as in the released Qwen checkpoints)."""
+    """config.json contents for ``arch`` (keys as in the released Qwen / GLM checkpoints)."""
+    if arch == "glm4_moe":
+        return dict(sorted(_glm4_moe_config().items()))
     cfg = _common_config()
     if arch == "qwen3_next":
         cfg.update(
@@ -156,16 +219,33 @@ def generation_config(cfg: dict) -> dict:
 class _Spec:
     shape: Tuple[int, ...]
     # "proj", "embed", "lm_head", "router", "conv", "A_log", "dt_bias", "gate_scalar",
-    # "norm1" (RMSNorm computing x * w), "norm0" (Qwen3-Next's x * (1 + w)), "qk_norm1/0"
+    # "norm1" (RMSNorm computing x * w), "norm0" (Qwen3-Next's x * (1 + w)), "qk_norm1/0",
+    # "attn_bias" (GLM's q/k/v biases), "score_bias" (GLM's e_score_correction_bias, float32)
     kind: str
     fan_in: int = 1
+
+
+# Tensors stored in float32, as the router keeps them (transformers' Glm4Moe
+# ``_keep_in_fp32_modules_strict``, SGLang's ``Glm4MoeGate``); their values are bf16 values.
+FLOAT32_KINDS = frozenset({"score_bias"})
+
+
+def _mlp_specs(prefix: str, h: int, inter: int) -> List[Tuple[str, _Spec]]:
+    """A gated MLP's three projections under ``prefix`` (a dense MLP, an expert, a shared
+    expert): gate/up [inter, h], down [h, inter]."""
+    return [
+        (prefix + "gate_proj.weight", _Spec((inter, h), "proj", h)),
+        (prefix + "up_proj.weight", _Spec((inter, h), "proj", h)),
+        (prefix + "down_proj.weight", _Spec((h, inter), "proj", inter)),
+    ]
 
 
 def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
     h = cfg["hidden_size"]
     v = cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+    e = cfg.get("num_experts") or cfg["n_routed_experts"]  # Qwen / GLM key
+    mi = cfg["moe_intermediate_size"]
     gemma_norm = arch == "qwen3_next"  # Qwen3-Next RMSNorms compute x * (1 + w)
     norm_kind = "norm0" if gemma_norm else "norm1"
     specs: List[Tuple[str, _Spec]] = [("model.embed_tokens.weight", _Spec((v, h), "embed"))]
@@ -197,18 +277,29 @@ def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
                 (a + "k_proj.weight", _Spec((nkv * hd, h), "proj", h)),
                 (a + "v_proj.weight", _Spec((nkv * hd, h), "proj", h)),
                 (a + "o_proj.weight", _Spec((h, nh * hd), "proj", nh * hd)),
-                (a + "q_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
-                (a + "k_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
             ]
+            if cfg.get("attention_bias"):  # GLM: q/k/v biases, none on o_proj
+                specs += [
+                    (a + "q_proj.bias", _Spec((q_out,), "attn_bias")),
+                    (a + "k_proj.bias", _Spec((nkv * hd,), "attn_bias")),
+                    (a + "v_proj.bias", _Spec((nkv * hd,), "attn_bias")),
+                ]
+            if cfg.get("use_qk_norm", True):  # Qwen3 always; GLM when use_qk_norm
+                specs += [
+                    (a + "q_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
+                    (a + "k_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
+                ]
         m = p + "mlp."
+        if i < cfg.get("first_k_dense_replace", 0):  # GLM: a dense MLP in the first layers
+            specs += _mlp_specs(m, h, cfg["intermediate_size"])
+            continue
         specs.append((m + "gate.weight", _Spec((e, h), "router", h)))
+        if arch == "glm4_moe":
+            specs.append((m + "gate.e_score_correction_bias", _Spec((e,), "score_bias")))
         for j in range(e):
-            x = f"{m}experts.{j}."
-            specs += [
-                (x + "gate_proj.weight", _Spec((mi, h), "proj", h)),
-                (x + "up_proj.weight", _Spec((mi, h), "proj", h)),
-                (x + "down_proj.weight", _Spec((h, mi), "proj", mi)),
-            ]
+            specs += _mlp_specs(f"{m}experts.{j}.", h, mi)
+        if arch == "glm4_moe":
+            specs += _mlp_specs(m + "shared_experts.", h, mi * cfg["n_shared_experts"])
         if arch == "qwen3_next":
             si = cfg["shared_expert_intermediate_size"]
             specs += [
@@ -276,13 +367,19 @@ def _make_tensor(seed: int, name: str, spec: _Spec):
         t = DT_BIAS + normal(0.25)
     elif k == "gate_scalar":
         t = normal(1.0 / math.sqrt(spec.fan_in))
+    elif k == "attn_bias":
+        t = normal(ATTN_BIAS_STD)
+    elif k == "score_bias":
+        t = normal(SCORE_BIAS_STD)
     else:  # pragma: no cover
         raise AssertionError(k)
-    return t.to(torch.bfloat16).contiguous()
+    t = t.to(torch.bfloat16)
+    return (t.float() if k in FLOAT32_KINDS else t).contiguous()
 
 
 def make_state_dict(arch: str, seed: int = DEFAULT_SEED, cfg: Optional[dict] = None):
-    """{name: bfloat16 tensor} for ``arch`` (deterministic)."""
+    """{name: tensor} for ``arch`` (deterministic): bfloat16, except the kinds in
+    :data:`FLOAT32_KINDS` (float32 holding bfloat16 values)."""
     cfg = cfg or model_config(arch)
     return {name: _make_tensor(seed, name, spec) for name, spec in _weight_specs(arch, cfg)}
 

@@ -324,6 +324,7 @@ class ExpertSlotCache:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         moe_runner_config=None,
+        scale: Optional[float] = None,
     ) -> torch.Tensor:
         """The routed-expert output of one MoE layer call.
 
@@ -332,9 +333,13 @@ class ExpertSlotCache:
             topk_weights: [T, K] router weights (any float dtype; used in fp32).
             topk_ids: [T, K] layer-local expert ids (int32/int64), -1 = padding.
             moe_runner_config: the layer's runner config (needed on CUDA only).
+            scale: a factor applied to the fp32 sum before its one rounding to
+                ``hidden_states.dtype`` (the routed scaling factor where upstream applies it in
+                the layer: :func:`method.output_scale`); None = 1.
 
         Returns:
-            [T, H] in ``hidden_states.dtype``: sum_k weight[t, k] * expert_k(x[t]).
+            [T, H] in ``hidden_states.dtype``: scale * sum_k weight[t, k] * expert_k(x[t]),
+            rounded once.
         """
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
@@ -348,7 +353,9 @@ class ExpertSlotCache:
         if self._cuda is not None:
             # The fills are copied after the CPU branch forks, so the two run in parallel.
             routing = self.control(layer_id, ids)
-            return self._cuda.forward(x, weights, routing, self.fill, self.slots, moe_runner_config)
+            return self._cuda.forward(
+                x, weights, routing, self.fill, self.slots, moe_runner_config, scale
+            )
         routing = self.route(layer_id, ids)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
         torch.ops.sgl_kernel.moe_experts_cpu(
@@ -360,6 +367,8 @@ class ExpertSlotCache:
             out,
             False,
         )
+        if scale is not None:
+            out.mul_(scale)
         return out.to(x.dtype)
 
     # ---------------------------------------------------------------- metrics

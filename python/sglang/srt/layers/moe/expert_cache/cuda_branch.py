@@ -124,7 +124,9 @@ def slot_experts(
 
     Returns:
         [T, H] in ``x.dtype``: ``sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t])`` over the
-        slot entries; ``x`` is not written (upstream's ``inplace=True`` is overridden).
+        slot entries; ``x`` is not written (upstream's ``inplace=True`` is overridden), and the
+        runner's ``routed_scaling_factor`` is not applied (the caller scales the whole sum,
+        slot and CPU parts, once: :meth:`CudaForward.forward`).
     """
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -147,6 +149,7 @@ def slot_experts(
             num_local_experts=num_slots,
             inplace=False,
             no_combine=False,
+            routed_scaling_factor=None,  # a partial sum: scaled with the CPU part by the caller
         ),
     )
 
@@ -177,6 +180,7 @@ class CudaForward:
         fill: Callable[[FillList], None],
         slots: Mapping[str, torch.Tensor],
         moe_runner_config,
+        scale: Optional[float] = None,
     ) -> torch.Tensor:
         """One layer call after its control step.
 
@@ -185,9 +189,12 @@ class CudaForward:
             routing: the control step's result; its fills are copied by ``fill`` here.
             fill: copies a work list host pool -> slots (``ExpertSlotCache.fill``).
             slots: the slot banks.
+            scale: the routed scaling factor, applied to the fp32 sum of both partials before
+                the one rounding to ``x.dtype``, as upstream's Triton combine scales its fp32
+                sum (``moe_combine_topk``); None = 1.
 
         Returns:
-            [T, H] in ``x.dtype``: slot partial + CPU partial.
+            [T, H] in ``x.dtype``: scale * (slot partial + CPU partial).
 
         Raises:
             RuntimeError: a CUDA graph captures more tokens than the staging holds.
@@ -212,7 +219,7 @@ class CudaForward:
             fill(routing.fills)
             device_part = slot_experts(slots, x, weights, routing.slot_ids, moe_runner_config)
             main.wait_stream(self.side)
-            return (device_part.float() + cpu_part).to(x.dtype)
+            return _combine(device_part, cpu_part, scale, x.dtype)
 
         ops = torch.ops.sgl_kernel
         x_host = x.to("cpu", non_blocking=True)
@@ -226,4 +233,14 @@ class CudaForward:
         fill(routing.fills)
         device_part = slot_experts(slots, x, weights, routing.slot_ids, moe_runner_config)
         ops.moe_experts_cpu_wait(handle)
-        return (device_part.float() + out_host.to(x.device, non_blocking=True)).to(x.dtype)
+        return _combine(device_part, out_host.to(x.device, non_blocking=True), scale, x.dtype)
+
+
+def _combine(
+    device_part: torch.Tensor, cpu_part: torch.Tensor, scale: Optional[float], dtype: torch.dtype
+) -> torch.Tensor:
+    """``dtype(scale * (device_part + cpu_part))``, summed and scaled in fp32 ([T, H] each)."""
+    out = device_part.float() + cpu_part
+    if scale is not None:
+        out.mul_(scale)
+    return out.to(dtype)

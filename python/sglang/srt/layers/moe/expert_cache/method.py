@@ -4,6 +4,12 @@ Wired in by patch ``0031-fused-moe-expert-cache-hook`` when ``--enable-expert-ca
 ``FusedMoE.__init__`` replaces its quant method with :func:`make_for_layer`'s result. The
 layer's ``w13_weight`` / ``w2_weight`` parameters become views of the layer's rows of the
 host pool, so upstream's weight loader writes every expert straight into the pool.
+
+Routing stays upstream's ``TopK`` (softmax or sigmoid, grouped top-k, correction bias): the
+method receives the routed ids and weights. Shared experts run unfused beside the cache, as the
+model's own MLP (patch ``0034-expert-cache-unfused-shared-experts`` turns fusion off before the
+model is built). ``routed_scaling_factor`` is applied where upstream's stock path applies it for
+the same device (:func:`output_scale`).
 """
 
 from __future__ import annotations
@@ -124,8 +130,63 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             topk_weights,
             topk_ids,
             self.moe_runner_config,
+            scale=output_scale(layer, self.moe_runner_config, self.device),
         )
         return StandardCombineInput(hidden_states=out)
+
+
+def output_scale(layer, moe_runner_config, device: torch.device) -> Optional[float]:
+    """The factor the cache multiplies its routed sum by: ``routed_scaling_factor`` exactly
+    where upstream 0.5.23's stock bf16 path for ``device`` puts it inside the MoE layer, else
+    None (the model applies it, or the router weights already carry it).
+
+    * CPU: none of ``UnquantizedFusedMoEMethod.forward_cpu``'s kernels (``fused_experts_cpu``,
+      ``moe_forward_native``, our executor of patch 0032) scales; the models multiply the
+      layer's bf16 output afterwards (``models/glm4_moe.py:619-620``
+      ``if not _is_cuda and not _use_aiter: final_hidden_states *= self.routed_scaling_factor``,
+      likewise ``models/deepseek_v2.py:1239``). So: None.
+    * CUDA: the Triton runner scales in its combine, ``out = bf16(factor * sum_k w_k * y_k)``
+      (``moe_combine_topk``, ``moe_runner/triton_utils/fused_moe.py:973``), and the model
+      does not; unless the router already folded the factor into the weights
+      (``FusedMoE.should_fuse_routed_scaling_factor_in_topk`` from
+      ``_fuses_routed_scaling_factor_in_topk``, ``fused_moe_triton/layer.py:109``; the model
+      passes it to ``TopK`` as ``apply_routed_scaling_factor_on_output``). So: the
+      factor, or None when fused in top-k.
+
+    Args:
+        layer: the ``FusedMoE`` layer (reads ``should_fuse_routed_scaling_factor_in_topk``).
+        moe_runner_config: its ``MoeRunnerConfig`` (``routed_scaling_factor``, None or float).
+        device: the cache's device.
+    """
+    factor = getattr(moe_runner_config, "routed_scaling_factor", None)
+    if factor is None or factor == 1.0 or device.type != "cuda":
+        return None
+    if getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False):
+        return None
+    return float(factor)
+
+
+def shared_experts_fusion_disable_reason() -> Optional[str]:
+    """Why the model must not fuse its shared experts into the routed ``FusedMoE``, or None.
+
+    Called by patch ``0034-expert-cache-unfused-shared-experts`` from upstream's
+    ``resolve_shared_experts_config`` (``layers/moe/utils.py``) before the model is built,
+    ahead of the model's own reason; upstream logs it with "Shared experts fusion optimization
+    is disabled." A fused shared expert would be one more routed expert of every token, kept in
+    the host pool and competing for slots; unfused it stays a resident dense MLP beside the
+    cache (it runs for every token, so it gains nothing from a cache).
+    """
+    from sglang.srt.runtime_context import get_exec
+
+    moe = get_exec().moe
+    if not getattr(moe, "enable_expert_cache", False):
+        return None
+    if getattr(moe, "enforce_shared_experts_fusion", False):
+        return None  # make_for_layer then names the conflict
+    return (
+        "--enable-expert-cache runs shared experts unfused, as a resident MLP beside the "
+        "expert-slot cache."
+    )
 
 
 def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
@@ -170,14 +231,10 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
             "router weights applied on the input are not supported; serve this model without "
             "--enable-expert-cache"
         )
-    if cfg.routed_scaling_factor not in (None, 1.0):
-        problems.append(
-            "a routed scaling factor is not supported yet; serve this model without "
-            "--enable-expert-cache"
-        )
     if getattr(layer, "num_fused_shared_experts", 0):
         problems.append(
-            "fused shared experts are not supported (add --disable-shared-experts-fusion)"
+            "fused shared experts are not supported: drop --enforce-shared-experts-fusion "
+            "(the cache runs shared experts unfused)"
         )
     try:
         config = ExpertCacheConfig.from_server_args(moe)

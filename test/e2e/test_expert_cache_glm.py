@@ -1,0 +1,170 @@
+"""The real server with --enable-expert-cache on the tiny GLM-4.5-style MoE (``glm4_moe``).
+
+The model (``sglang.test.tiny_models``, transformers' ``Glm4MoeConfig`` keys): layer 0 dense
+(``first_k_dense_replace`` 1), layers 1-3 MoE with 64 routed experts top-8 chosen by grouped
+sigmoid routing with ``e_score_correction_bias`` (8 groups, 4 kept), ``routed_scaling_factor``
+2.5 and one shared expert. Three servers (each start costs ~45 s on a 2-core machine):
+
+* all resident (``--expert-cache-size 100% --expert-cache-policy fill``);
+* one layer's top-k, 8 slots, ``qstar`` with B_P / B_H fixed at 0.5, so every layer call fills
+  some misses and runs the others on the CPU (its metrics say so);
+* no cache, upstream's own CPU MoE (``SGLANG_CPU_MOE_BACKEND=native``: the per-expert torch
+  loop, an independent path; the stock path without it is our executor, patch 0032, the
+  cache's own kernel).
+
+Checked: greedy tokens and every returned logprob identical between the two cache servers
+(on the CPU each (token, expert) entry is computed the same way from a slot or from the host
+pool, and the factor is applied once by the model after the layer); and the all-resident
+server's input logprobs against transformers in float32 within ``MEAN_SLACK`` (mean),
+``P95_SLACK`` (95th percentile) and ``MAX_SLACK`` (max) times the torch-loop server's own error
+(the bounds of ``test_expert_cache.py``). A factor lost or applied twice scales every MoE
+layer's routed output by 2.5x either way, far outside bf16 rounding
+(``test/expert_cache/test_glm_moe_layer.py`` checks the block against transformers with
+and without the factor; this file did not measure the whole model with a wrong factor).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+import torch
+from conftest import model_path
+
+ARCH = "glm4_moe"
+NEW_TOKENS = 16
+MEAN_SLACK = 1.15
+P95_SLACK = 1.25
+MAX_SLACK = 2.0
+NATIVE = {"SGLANG_CPU_MOE_BACKEND": "native"}
+BANDWIDTHS = ("--expert-cache-fill-gbps", "10", "--expert-cache-cpu-gbps", "20")
+RESIDENT = (
+    "--enable-expert-cache",
+    "--expert-cache-size",
+    "100%",
+    "--expert-cache-policy",
+    "fill",
+    *BANDWIDTHS,
+)
+SLOTS8 = (
+    "--enable-expert-cache",
+    "--expert-cache-size",
+    "8",
+    "--expert-cache-policy",
+    "qstar",
+    *BANDWIDTHS,
+    "--enable-metrics",
+)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(99)
+    return [torch.randint(10, 30000, (n,), generator=g).tolist() for n in (5, 97, 300)]
+
+
+def _run(url: str) -> list[dict]:
+    outs = []
+    for ids in _prompts():
+        r = requests.post(
+            url + "/generate",
+            json={
+                "input_ids": ids,
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+            timeout=600,
+        )
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        outs.append(
+            dict(
+                tokens=[t[1] for t in meta["output_token_logprobs"]],
+                out_lp=[t[0] for t in meta["output_token_logprobs"]],
+                in_lp=[t[0] for t in meta["input_token_logprobs"][1:]],
+            )
+        )
+    return outs
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not exported"
+    return float(m.group(1))
+
+
+_RESULTS: dict = {}
+
+
+@pytest.fixture
+def results(server_pool):
+    """``results(name)``: the outputs of ``"resident"``, ``"slots8"`` (with its expert-cache
+    counters under ``"slots8_metrics"``) or ``"native"``, measured once per run on a server
+    from the shared pool."""
+
+    def get(name: str):
+        if name not in _RESULTS:
+            if name == "native":
+                srv = server_pool.get(ARCH, env=NATIVE)
+            else:
+                srv = server_pool.get(ARCH, RESIDENT if name == "resident" else SLOTS8)
+            _RESULTS[name] = _run(srv.url)
+            if name == "slots8":
+                text = requests.get(srv.url + "/metrics", timeout=60).text
+                _RESULTS["slots8_metrics"] = {
+                    k: _metric(text, f"sglang:expert_cache_{k}")
+                    for k in ("misses_total", "fills_total", "cpu_experts_total", "slots")
+                }
+        return _RESULTS[name]
+
+    return get
+
+
+def test_eight_slots_equal_all_resident(results):
+    resident = results("resident")
+    got = results("slots8")
+    for i, (a, b) in enumerate(zip(resident, got)):
+        assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
+        assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
+        assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
+    m = results("slots8_metrics")
+    assert m["slots"] == 8
+    # the split really happened: misses filled and misses run on the CPU
+    assert m["fills_total"] >= 1 and m["cpu_experts_total"] >= 1
+    assert m["fills_total"] + m["cpu_experts_total"] == m["misses_total"]
+
+
+def test_all_resident_as_accurate_as_upstream_moe(results):
+    """The cache (all resident) and upstream's torch MoE loop, both bf16, against transformers
+    in float32 on the same checkpoint and prompts."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path(ARCH), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Glm4MoeForCausalLM"
+    err = {"native": [], "resident": []}
+    for i, ids in enumerate(_prompts()):
+        with torch.no_grad():
+            lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+        ref = torch.tensor([lp[j - 1, ids[j]].item() for j in range(1, len(ids))])
+        for name in err:
+            got = torch.tensor(results(name)[i]["in_lp"])
+            assert got.shape == ref.shape, (name, i, got.shape, ref.shape)
+            err[name].append((got - ref).abs())
+    native, resident = torch.cat(err["native"]), torch.cat(err["resident"])
+    p95 = lambda t: torch.quantile(t, 0.95).item()  # noqa: E731
+    figures = (
+        f"|logprob error| vs float32 over {resident.numel()} tokens: mean cache "
+        f"{resident.mean():.4f} / torch loop {native.mean():.4f}, p95 {p95(resident):.4f} / "
+        f"{p95(native):.4f}, max {resident.max():.4f} / {native.max():.4f}"
+    )
+    print(figures)
+    assert native.mean() > 0, "the torch loop server matched float32 exactly: not a bf16 run?"
+    assert native.ne(resident).any(), "the torch loop server ran the cache's MoE kernel"
+    assert resident.mean() <= MEAN_SLACK * native.mean(), figures
+    assert p95(resident) <= P95_SLACK * p95(native), figures
+    assert resident.max() <= MAX_SLACK * native.max(), figures
