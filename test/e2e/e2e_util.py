@@ -135,3 +135,44 @@ def token_id(model_dir: Path, text: str) -> int:
     ids = [i for i, s in enumerate(vocab(str(model_dir))) if s == text]
     assert ids, f"{text!r} is not a single token of {model_dir}"
     return ids[0]
+
+
+def random_prompts(lengths=(5, 97, 300), seed: int = 99) -> list[list[int]]:
+    """Prompts of random token ids in [10, 30000), one per length (a random model needs no
+    words): the prompts of the expert-cache equality tests."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 30000, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_with_logprobs(url: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """Greedy ``/generate`` of ``new_tokens`` tokens (EOS ignored) per prompt, with every input
+    and output logprob; per prompt ``dict(tokens, out_lp, in_lp)`` (``in_lp`` from the second
+    input token on)."""
+    outs = []
+    for ids in prompts:
+        r = requests.post(
+            url + "/generate",
+            json={
+                "input_ids": ids,
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": new_tokens,
+                    "ignore_eos": True,
+                },
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+            timeout=600,
+        )
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        outs.append(
+            dict(
+                tokens=[t[1] for t in meta["output_token_logprobs"]],
+                out_lp=[t[0] for t in meta["output_token_logprobs"]],
+                in_lp=[t[0] for t in meta["input_token_logprobs"][1:]],
+            )
+        )
+    return outs

@@ -31,6 +31,7 @@ import pytest
 import requests
 import torch
 from conftest import model_path
+from e2e_util import greedy_with_logprobs, random_prompts
 
 NEW_TOKENS = 16
 MEAN_SLACK = 1.15
@@ -65,40 +66,6 @@ METRICS_ARGS = ("--enable-metrics", "--decode-log-interval", "1")
 BANDWIDTHS = ("--expert-cache-fill-gbps", "10", "--expert-cache-cpu-gbps", "20")
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(99)
-    return [torch.randint(10, 30000, (n,), generator=g).tolist() for n in (5, 97, 300)]
-
-
-def _run(url: str) -> list[dict]:
-    outs = []
-    for ids in _prompts():
-        r = requests.post(
-            url + "/generate",
-            json={
-                "input_ids": ids,
-                "sampling_params": {
-                    "temperature": 0,
-                    "max_new_tokens": NEW_TOKENS,
-                    "ignore_eos": True,
-                },
-                "return_logprob": True,
-                "logprob_start_len": 0,
-            },
-            timeout=600,
-        )
-        assert r.status_code == 200, r.text
-        meta = r.json()["meta_info"]
-        outs.append(
-            dict(
-                tokens=[t[1] for t in meta["output_token_logprobs"]],
-                out_lp=[t[0] for t in meta["output_token_logprobs"]],
-                in_lp=[t[0] for t in meta["input_token_logprobs"][1:]],
-            )
-        )
-    return outs
-
-
 def _cache_args(arch: str, config) -> list[str]:
     extra = METRICS_ARGS if (arch, config) == METRICS_CONFIG else ()
     return ["--enable-expert-cache", *config, *BANDWIDTHS, *extra]
@@ -120,7 +87,7 @@ def results(server_pool):
                 srv = server_pool.get(arch, env=NATIVE)
             else:
                 srv = server_pool.get(arch, _cache_args(arch, config))
-            _RESULTS[key] = _run(srv.url)
+            _RESULTS[key] = greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
         return _RESULTS[key]
 
     return get
@@ -214,7 +181,7 @@ def test_all_resident_as_accurate_as_upstream_moe(results, arch):
 
     hf = AutoModelForCausalLM.from_pretrained(model_path(arch), dtype=torch.float32).eval()
     err = {"native": [], "resident": []}
-    for i, ids in enumerate(_prompts()):
+    for i, ids in enumerate(random_prompts()):
         with torch.no_grad():
             lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
         ref = torch.tensor([lp[j - 1, ids[j]].item() for j in range(1, len(ids))])

@@ -31,6 +31,7 @@ import pytest
 import requests
 import torch
 from conftest import model_path
+from e2e_util import greedy_with_logprobs, random_prompts
 
 ARCH = "glm4_moe"
 NEW_TOKENS = 16
@@ -58,40 +59,6 @@ SLOTS8 = (
 )
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(99)
-    return [torch.randint(10, 30000, (n,), generator=g).tolist() for n in (5, 97, 300)]
-
-
-def _run(url: str) -> list[dict]:
-    outs = []
-    for ids in _prompts():
-        r = requests.post(
-            url + "/generate",
-            json={
-                "input_ids": ids,
-                "sampling_params": {
-                    "temperature": 0,
-                    "max_new_tokens": NEW_TOKENS,
-                    "ignore_eos": True,
-                },
-                "return_logprob": True,
-                "logprob_start_len": 0,
-            },
-            timeout=600,
-        )
-        assert r.status_code == 200, r.text
-        meta = r.json()["meta_info"]
-        outs.append(
-            dict(
-                tokens=[t[1] for t in meta["output_token_logprobs"]],
-                out_lp=[t[0] for t in meta["output_token_logprobs"]],
-                in_lp=[t[0] for t in meta["input_token_logprobs"][1:]],
-            )
-        )
-    return outs
-
-
 def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
     assert m, f"{name} not exported"
@@ -113,7 +80,7 @@ def results(server_pool):
                 srv = server_pool.get(ARCH, env=NATIVE)
             else:
                 srv = server_pool.get(ARCH, RESIDENT if name == "resident" else SLOTS8)
-            _RESULTS[name] = _run(srv.url)
+            _RESULTS[name] = greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
             if name == "slots8":
                 text = requests.get(srv.url + "/metrics", timeout=60).text
                 _RESULTS["slots8_metrics"] = {
@@ -147,7 +114,7 @@ def test_all_resident_as_accurate_as_upstream_moe(results):
     hf = AutoModelForCausalLM.from_pretrained(model_path(ARCH), dtype=torch.float32).eval()
     assert type(hf).__name__ == "Glm4MoeForCausalLM"
     err = {"native": [], "resident": []}
-    for i, ids in enumerate(_prompts()):
+    for i, ids in enumerate(random_prompts()):
         with torch.no_grad():
             lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
         ref = torch.tensor([lp[j - 1, ids[j]].item() for j in range(1, len(ids))])
