@@ -176,3 +176,55 @@ def greedy_with_logprobs(url: str, prompts: list[list[int]], new_tokens: int) ->
             )
         )
     return outs
+
+
+# Bounds of a cache server's error against transformers in float32, relative to the error of
+# upstream's per-expert torch loop (SGLANG_CPU_MOE_BACKEND=native) on the same prompts: the
+# whole-model error is dominated by bf16 rounding elsewhere, and its max is a near-tie token.
+MEAN_SLACK, P95_SLACK, MAX_SLACK = 1.15, 1.25, 2.0
+
+
+def assert_as_accurate_as_torch_loop(
+    model_dir: Path,
+    prompts: list[list[int]],
+    native: list[dict],
+    resident: list[dict],
+    hf_class: str | None = None,
+) -> None:
+    """Input logprobs of the all-resident cache server (``resident``) and of the torch-loop
+    server (``native``), as :func:`greedy_with_logprobs` returns them for ``prompts``, against
+    transformers in float32 on ``model_dir``: the cache's |error| within ``MEAN_SLACK`` (mean),
+    ``P95_SLACK`` (95th percentile) and ``MAX_SLACK`` (max) times the loop's. ``hf_class``:
+    the transformers model class the checkpoint must load as."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if hf_class is not None:
+        assert type(hf).__name__ == hf_class, type(hf).__name__
+    err = {"native": [], "resident": []}
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+        ref = torch.tensor([lp[j - 1, ids[j]].item() for j in range(1, len(ids))])
+        for name, outs in (("native", native), ("resident", resident)):
+            got = torch.tensor(outs[i]["in_lp"])
+            assert got.shape == ref.shape, (name, i, got.shape, ref.shape)
+            err[name].append((got - ref).abs())
+    loop, cache = torch.cat(err["native"]), torch.cat(err["resident"])
+
+    def p95(t):
+        return torch.quantile(t, 0.95).item()
+
+    figures = (
+        f"|logprob error| vs float32 over {cache.numel()} tokens: mean cache "
+        f"{cache.mean():.4f} / torch loop {loop.mean():.4f}, p95 {p95(cache):.4f} / "
+        f"{p95(loop):.4f}, max {cache.max():.4f} / {loop.max():.4f}"
+    )
+    print(figures)
+    assert loop.mean() > 0, "the torch loop server matched float32 exactly: not a bf16 run?"
+    # Else the comparison is with the cache's own kernel (the environment variable not applied).
+    assert loop.ne(cache).any(), "the torch loop server ran the cache's MoE kernel"
+    assert cache.mean() <= MEAN_SLACK * loop.mean(), figures
+    assert p95(cache) <= P95_SLACK * p95(loop), figures
+    assert cache.max() <= MAX_SLACK * loop.max(), figures

@@ -12,7 +12,7 @@ For cache sizes from one layer's top-k (8 slots) to the whole pool and for each 
   servers' input logprobs are compared with transformers in float32 on the same checkpoint and
   prompts. The whole-model error is dominated by bf16 rounding elsewhere and its largest value
   is a near-tie token that swings either way, so the bounds are relative to the torch loop's
-  own error: mean at most ``MEAN_SLACK`` times, 95th percentile at most ``P95_SLACK`` times,
+  own error: mean at most ``MEAN_SLACK`` (``e2e_util``) times, 95th percentile at most ``P95_SLACK`` times,
   max at most ``MAX_SLACK`` times. A dropped top-k expert (in the cache's wiring or in the
   executor kernel that the stock path shares), a wrong expert id or router weights off by 5%
   break the mean bound on both models; the kernel's own precision is
@@ -29,14 +29,10 @@ import time
 
 import pytest
 import requests
-import torch
 from conftest import model_path
-from e2e_util import greedy_with_logprobs, random_prompts
+from e2e_util import assert_as_accurate_as_torch_loop, greedy_with_logprobs, random_prompts
 
 NEW_TOKENS = 16
-MEAN_SLACK = 1.15
-P95_SLACK = 1.25
-MAX_SLACK = 2.0
 NATIVE = {"SGLANG_CPU_MOE_BACKEND": "native"}  # upstream's per-expert torch loop (cpu_executor.py)
 RESIDENT = ("--expert-cache-size", "100%", "--expert-cache-policy", "fill")
 # Per model: one layer's top-k (8 slots) with qstar (fills and CPU experts in one call) and one
@@ -177,29 +173,9 @@ def _settled_calls(url: str, timeout_s: float = 20.0) -> float:
 def test_all_resident_as_accurate_as_upstream_moe(results, arch):
     """The cache (all resident) and upstream's torch MoE loop, both bf16, against transformers
     in float32: the cache's input logprobs must be about as close to float32 as the loop's."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_path(arch), dtype=torch.float32).eval()
-    err = {"native": [], "resident": []}
-    for i, ids in enumerate(random_prompts()):
-        with torch.no_grad():
-            lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
-        ref = torch.tensor([lp[j - 1, ids[j]].item() for j in range(1, len(ids))])
-        for name, config in (("native", "native"), ("resident", RESIDENT)):
-            got = torch.tensor(results(arch, config)[i]["in_lp"])
-            assert got.shape == ref.shape, (name, i, got.shape, ref.shape)
-            err[name].append((got - ref).abs())
-    native, resident = torch.cat(err["native"]), torch.cat(err["resident"])
-    p95 = lambda t: torch.quantile(t, 0.95).item()  # noqa: E731
-    figures = (
-        f"|logprob error| vs float32 over {resident.numel()} tokens: mean cache "
-        f"{resident.mean():.4f} / torch loop {native.mean():.4f}, p95 {p95(resident):.4f} / "
-        f"{p95(native):.4f}, max {resident.max():.4f} / {native.max():.4f}"
+    assert_as_accurate_as_torch_loop(
+        model_path(arch),
+        random_prompts(),
+        native=results(arch, "native"),
+        resident=results(arch, RESIDENT),
     )
-    print(figures)
-    assert native.mean() > 0, "the torch loop server matched float32 exactly: not a bf16 run?"
-    # Else the comparison is with the cache's own kernel (the environment variable not applied).
-    assert native.ne(resident).any(), "the torch loop server ran the cache's MoE kernel"
-    assert resident.mean() <= MEAN_SLACK * native.mean(), figures
-    assert p95(resident) <= P95_SLACK * p95(native), figures
-    assert resident.max() <= MAX_SLACK * native.max(), figures

@@ -15,7 +15,7 @@ sigmoid routing with ``e_score_correction_bias`` (8 groups, 4 kept), ``routed_sc
 Checked: greedy tokens and every returned logprob identical between the two cache servers
 (on the CPU each (token, expert) entry is computed the same way from a slot or from the host
 pool, and the factor is applied once by the model after the layer); and the all-resident
-server's input logprobs against transformers in float32 within ``MEAN_SLACK`` (mean),
+server's input logprobs against transformers in float32 within ``e2e_util.MEAN_SLACK`` (mean),
 ``P95_SLACK`` (95th percentile) and ``MAX_SLACK`` (max) times the torch-loop server's own error
 (the bounds of ``test_expert_cache.py``). A factor lost or applied twice scales every MoE
 layer's routed output by 2.5x either way, far outside bf16 rounding
@@ -29,15 +29,11 @@ import re
 
 import pytest
 import requests
-import torch
 from conftest import model_path
-from e2e_util import greedy_with_logprobs, random_prompts
+from e2e_util import assert_as_accurate_as_torch_loop, greedy_with_logprobs, random_prompts
 
 ARCH = "glm4_moe"
 NEW_TOKENS = 16
-MEAN_SLACK = 1.15
-P95_SLACK = 1.25
-MAX_SLACK = 2.0
 NATIVE = {"SGLANG_CPU_MOE_BACKEND": "native"}
 BANDWIDTHS = ("--expert-cache-fill-gbps", "10", "--expert-cache-cpu-gbps", "20")
 RESIDENT = (
@@ -109,29 +105,10 @@ def test_eight_slots_equal_all_resident(results):
 def test_all_resident_as_accurate_as_upstream_moe(results):
     """The cache (all resident) and upstream's torch MoE loop, both bf16, against transformers
     in float32 on the same checkpoint and prompts."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_path(ARCH), dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Glm4MoeForCausalLM"
-    err = {"native": [], "resident": []}
-    for i, ids in enumerate(random_prompts()):
-        with torch.no_grad():
-            lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
-        ref = torch.tensor([lp[j - 1, ids[j]].item() for j in range(1, len(ids))])
-        for name in err:
-            got = torch.tensor(results(name)[i]["in_lp"])
-            assert got.shape == ref.shape, (name, i, got.shape, ref.shape)
-            err[name].append((got - ref).abs())
-    native, resident = torch.cat(err["native"]), torch.cat(err["resident"])
-    p95 = lambda t: torch.quantile(t, 0.95).item()  # noqa: E731
-    figures = (
-        f"|logprob error| vs float32 over {resident.numel()} tokens: mean cache "
-        f"{resident.mean():.4f} / torch loop {native.mean():.4f}, p95 {p95(resident):.4f} / "
-        f"{p95(native):.4f}, max {resident.max():.4f} / {native.max():.4f}"
+    assert_as_accurate_as_torch_loop(
+        model_path(ARCH),
+        random_prompts(),
+        native=results("native"),
+        resident=results("resident"),
+        hf_class="Glm4MoeForCausalLM",
     )
-    print(figures)
-    assert native.mean() > 0, "the torch loop server matched float32 exactly: not a bf16 run?"
-    assert native.ne(resident).any(), "the torch loop server ran the cache's MoE kernel"
-    assert resident.mean() <= MEAN_SLACK * native.mean(), figures
-    assert p95(resident) <= P95_SLACK * p95(native), figures
-    assert resident.max() <= MAX_SLACK * native.max(), figures
