@@ -78,6 +78,27 @@ def test_forward_on_cuda_matches_the_cpu_cache(
     assert gpu.snapshot() == cpu.snapshot()  # the same control decisions, call by call
 
 
+@pytest.mark.parametrize("size,policy", [("25%", "qstar"), ("100%", "fill")])
+def test_scale_on_cuda_multiplies_the_sum_of_both_halves_once(runner_config, size, policy):
+    """``forward(scale=s)`` on CUDA (the routed scaling factor of GLM / DeepSeek, which upstream
+    applies inside the Triton combine there, ``method.output_scale``): the slot half runs
+    unscaled and the fp32 sum of slot and CPU halves is scaled once, so the output matches the
+    CPU cache's scaled output, and a factor applied twice (or to one half only) does not."""
+    from test_slot_cache import make_cache, routing
+
+    cpu = make_cache(size, policy)
+    gpu = make_cache(size, policy, device="cuda")
+    for layer, x, w, ids in routing(steps=6, seed=11):
+        want = cpu.forward(layer, x, w, ids, scale=2.5)
+        got = gpu.forward(layer, x.cuda(), w.cuda(), ids.cuda(), runner_config, scale=2.5)
+        assert_close_to_cpu(got, want, f"scale 2.5, {size}/{policy} layer {layer}")
+        twice = (want.float() * 2.5).to(want.dtype)
+        if float(want.abs().max()) > 0.1:  # a factor applied twice is caught
+            with pytest.raises(AssertionError):
+                assert_close_to_cpu(got, twice, "factor twice")
+    assert gpu.snapshot() == cpu.snapshot()
+
+
 def replay_matches_cpu(cpu, gpu, runner_config, seed: int = 6, T: int = 2) -> None:
     """Capture one decode-size layer call per layer once, replay them with new routing: the
     same outputs and counters as the CPU cache call by call (the CPU branch runs from the
