@@ -6,7 +6,7 @@ from typing import List, Sequence
 
 import torch
 
-from sglang.srt.layers.moe.expert_cache import control, reference
+from sglang.srt.layers.moe.expert_cache import control, reference, resize
 
 
 class OpCache:
@@ -28,6 +28,12 @@ class OpCache:
         t.slot_last_use.copy_(torch.tensor(ref.slot_last_use, dtype=torch.int64))
         t.clock.fill_(ref.clock)
         t.stats.copy_(torch.tensor(ref.stats, dtype=torch.int64))
+        t.live_slots.fill_(ref.live_slots)
+
+    def resize(self, live_slots: int):
+        """:func:`resize.resize_tables` on the op's tables; the moves as (src, dst) lists."""
+        src, dst = resize.resize_tables(self.tables, live_slots)
+        return list(zip(src.tolist(), dst.tolist()))
 
     def control(self, topk: Sequence[Sequence[int]], layer: int, ratio: float, policy: int):
         """One op call on a batch of ``len(topk)`` tokens; outputs as lists."""
@@ -43,6 +49,7 @@ class OpCache:
             t.slot_last_use.tolist(),
             int(t.clock.item()),
             t.stats.tolist(),
+            int(t.live_slots.item()),
         )
 
 
@@ -58,7 +65,14 @@ def as_lists(r: "control.Routing") -> "reference.ControlResult":
 
 
 def ref_state(ref):
-    return (ref.slot_of_id, ref.id_of_slot, ref.slot_last_use, ref.clock, ref.stats)
+    return (
+        ref.slot_of_id,
+        ref.id_of_slot,
+        ref.slot_last_use,
+        ref.clock,
+        ref.stats,
+        ref.live_slots,
+    )
 
 
 def check_call(
@@ -70,7 +84,8 @@ def check_call(
     res: "reference.ControlResult",
 ) -> None:
     """Invariants of one call, from the tables before/after and the outputs (any backend)."""
-    slot_of_id, id_of_slot, last_use, clock, _ = after
+    slot_of_id, id_of_slot, last_use, clock, _, live = after
+    assert all(g == -1 for g in id_of_slot[live:]), "a slot past live_slots holds an expert"
     # the maps are inverse and no slot holds two ids
     held = [g for g in id_of_slot if g >= 0]
     assert len(held) == len(set(held)), "a global id sits in two slots"

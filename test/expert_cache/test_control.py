@@ -1,4 +1,5 @@
-"""torch.ops.sgl_kernel.expert_cache_control (CPU) against the plain-Python reference model.
+"""torch.ops.sgl_kernel.expert_cache_control (CPU) against the plain-Python reference model,
+and the pool resize (``resize.resize_tables``) against the model's ``resize``.
 
 Every call is compared output by output and table by table with ``ReferenceExpertCache``
 (python/sglang/srt/layers/moe/expert_cache/reference.py), and the table invariants are checked
@@ -98,6 +99,13 @@ class ControlMachine(RuleBasedStateMachine):
             st.lists(st.lists(ids, min_size=self.K, max_size=self.K), min_size=T, max_size=T)
         )
         step(self.op, self.ref, topk, layer, ratio, policy)
+
+    @rule(data=st.data())
+    def resize(self, data):
+        """A shrink or grow at a safe point: the same moves and tables as the reference."""
+        live = data.draw(st.integers(0, self.ref.num_slots), label="live_slots")
+        assert self.op.resize(live) == self.ref.resize(live)
+        self.ref.check_invariants()
 
     @invariant()
     def same_state(self):
@@ -304,6 +312,45 @@ def test_argument_errors(over, match):
     before = op.state()
     with pytest.raises(RuntimeError, match=match):
         torch.ops.sgl_kernel.expert_cache_control(**_args(op, [[1, 2]], **over))
+    assert op.state() == before
+
+
+def test_resize_keeps_the_most_recent_entries_and_leaves_the_tail_empty():
+    op, ref = fresh(L=1, E=16, S=6, F=8, K=1)
+    step(op, ref, [[e] for e in range(6)], 0, 1.0, FILL)  # experts 0..5 in slots 0..5
+    step(op, ref, [[5]], 0, 1.0, FILL)  # 5 is now the most recent, then 0..4 (tied, by slot)
+    step(op, ref, [[4]], 0, 1.0, FILL)
+    moves = op.resize(3)
+    assert moves == ref.resize(3) == [(4, 1), (5, 2)]  # kept: 4, 5 and slot 0 (lowest tied)
+    assert op.state() == ref_state(ref)
+    assert op.tables.id_of_slot.tolist() == [0, 4, 5, -1, -1, -1]
+    # tail slots are never victims: 3 misses fill at most the 3 live slots minus this call's hits
+    r = step(op, ref, [[7], [8], [9], [4]], 0, 1.0, FILL)
+    assert r.counts == [2, 1, 1, 3] and set(r.fill_dst[:2]) <= {0, 1, 2}
+    assert op.resize(6) == ref.resize(6) == []  # a grow moves nothing; new slots fill first
+    r = step(op, ref, [[10], [11]], 0, 1.0, FILL)
+    assert r.fill_dst[:2] == [3, 4]
+    assert op.resize(0) == ref.resize(0) == [] and op.state() == ref_state(ref)
+    r = step(op, ref, [[1], [2]], 0, 1.0, FILL)  # no slots: every miss on the CPU
+    assert r.counts == [0, 2, 0, 2]
+    with pytest.raises(ValueError, match="outside"):
+        op.resize(7)
+
+
+@pytest.mark.parametrize(
+    "live, match",
+    [
+        (torch.tensor([5], dtype=torch.int32), "outside"),
+        (torch.tensor([-1], dtype=torch.int32), "outside"),
+        (torch.tensor([2], dtype=torch.int64), "int32"),
+        (torch.tensor([2, 2], dtype=torch.int32), "one entry"),
+    ],
+)
+def test_live_slots_argument_errors(live, match):
+    op, _ = fresh()
+    before = op.state()
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.sgl_kernel.expert_cache_control(**_args(op, [[1, 2]], live_slots=live))
     assert op.state() == before
 
 

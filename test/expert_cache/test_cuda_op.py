@@ -55,6 +55,26 @@ def test_random_sequences_match_cpu(seed):
         both(cpu, gpu, topk, layer, rng.uniform(0, 3), rng.choice([0, 0, 1, 2]))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_resized_pools_match_cpu(seed):
+    """The live slot count as device data (``live_slots``): after each shrink or grow of the
+    tables (``resize.resize_tables`` on each device), the CUDA kernel never hits or evicts a
+    slot past it and matches the CPU op call by call."""
+    rng = random.Random(100 + seed)
+    L, E, K = 3, 64, 8
+    S = L * E
+    cpu, gpu = pair(L, E, S, rng.randint(1, 32), K)
+    hot = {layer: rng.sample(range(E), 16) for layer in range(L)}
+    for i in range(60):
+        if i % 10 == 5:
+            n = rng.choice([0, K, 17, S // 2, S])
+            assert gpu.resize(n) == cpu.resize(n)
+            assert gpu.state() == cpu.state()
+        layer = rng.randrange(L)
+        topk = random_routing(rng, rng.choice([1, 8, 64]), K, E, hot[layer])
+        both(cpu, gpu, topk, layer, rng.uniform(0, 3), rng.choice([0, 1]))
+
+
 @pytest.mark.parametrize("E, S, F", [(256, 3072, 16), (4096, 40000, 32), (64, 50000, 8)])
 def test_large_tables_match_cpu(E, S, F):
     rng = random.Random(E)

@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const Co
   __shared__ int wb[kWarps][32];
   __shared__ long long victim_a[32], fill_a[32];
   __shared__ int victim_slot[32], fill_expert[32];
-  __shared__ int s_hits, s_misses, s_candidates;
+  __shared__ int s_hits, s_misses, s_candidates, s_live;
   __shared__ long long s_now;
   const int tid = threadIdx.x, lane = tid & 31;
 
@@ -154,10 +154,13 @@ __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const Co
   if (tid == 0) {
     s_now = p.clock[0] + 1;
     s_hits = s_misses = s_candidates = 0;
+    const int live = p.live_slots != nullptr ? *p.live_slots : p.num_slots;  // device data: no sync
+    s_live = live < 0 ? 0 : (live > p.num_slots ? p.num_slots : live);
   }
   for (int e = tid; e < E; e += kThreads) tokens[e] = 0;
   __syncthreads();
   const long long now = s_now;
+  const int S = s_live;  // slots [S, num_slots) are outside the cache: never hit, never a victim
   if (tid == 0) p.clock[0] = now;
 
   // 2. deduplicate: tokens per expert (ids outside [0, E) are padding)
@@ -174,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const Co
     int r = -1;
     if (tokens[e] > 0) {
       const int32_t s = p.slot_of_id[base + e];
-      if (s >= 0 && s < p.num_slots) {
+      if (s >= 0 && s < S) {
         p.slot_last_use[s] = now;
         r = s;
         ++my_hits;
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const Co
   if (q > 0) {  // uniform
     int64_t* const lu = p.slot_last_use;
     block_select(
-        p.num_slots, q,
+        S, q,
         [&](int64_t s, long long& ka, int& kb) {
           const long long t = lu[s];
           ka = t;

@@ -26,17 +26,18 @@ struct ControlArgs {
   int32_t num_experts;  // E
   int32_t* slot_of_id;  // [n_ids]
   int64_t n_ids;
-  int32_t* id_of_slot;     // [num_slots]
-  int64_t* slot_last_use;  // [num_slots]
-  int32_t num_slots;
-  int64_t* clock;     // [1]
-  int32_t* slot_ids;  // [n_entries]
-  int32_t* cpu_ids;   // [n_entries]
-  int32_t* fill_src;  // [num_fill]
-  int32_t* fill_dst;  // [num_fill]
-  int32_t num_fill;   // F <= kControlMaxFill
-  int32_t* counts;    // [stat::count] this call's counters (csrc/shared/expert_cache.h)
-  int64_t* stats;     // [stat::count] their running sums
+  int32_t* id_of_slot;        // [num_slots]
+  int64_t* slot_last_use;     // [num_slots]
+  int32_t num_slots;          // S, the tables' capacity
+  const int32_t* live_slots;  // [1] slots in the cache (<= S; the rest is a released tail), or null = S
+  int64_t* clock;             // [1]
+  int32_t* slot_ids;          // [n_entries]
+  int32_t* cpu_ids;           // [n_entries]
+  int32_t* fill_src;          // [num_fill]
+  int32_t* fill_dst;          // [num_fill]
+  int32_t num_fill;           // F <= kControlMaxFill
+  int32_t* counts;            // [stat::count] this call's counters (csrc/shared/expert_cache.h)
+  int64_t* stats;             // [stat::count] their running sums
   double fill_ratio;
   int32_t policy;  // a sglk::expert_cache::MissPolicy
 };

@@ -98,6 +98,15 @@ inline ControlShape check_control_args(const at::Tensor& topk_ids, int64_t layer
   return {n_ids, S, F};
 }
 
+// The optional live slot count: int32 [1] on `dev`. Slots [live, S) are outside the cache (the
+// tail of a shrunk pool, FreeToken §3.3 "Runtime cache reconfiguration"); its value is read by
+// the op that uses it (CPU: checked there; CUDA: clamped to [0, S] in the kernel, no sync).
+inline void check_live_slots(const c10::optional<at::Tensor>& live_slots, const at::Device& dev) {
+  if (!live_slots.has_value()) return;
+  check_on(*live_slots, "live_slots", at::kInt, dev);
+  TORCH_CHECK(live_slots->numel() == 1, "live_slots must have one entry, got ", live_slots->numel());
+}
+
 // The fill work list on `dev` (fill_src, fill_dst [F] int32; counts int32 holding counts[stat::fills])
 // and, bank by bank, source and destination of the same row shape and dtype, contiguous.
 // Returns each bank's row size in bytes. Where the banks live is the caller's rule.

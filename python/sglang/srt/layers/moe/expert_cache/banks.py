@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
@@ -55,6 +56,11 @@ BF16 = ExpertFormat(label="bf16", dtype=torch.bfloat16)
 FORMATS = {BF16.dtype: BF16}
 
 
+def _row_bytes(spec: BankSpec) -> int:
+    """Bytes of one row (one expert) of a bank."""
+    return math.prod(spec.row_shape) * torch.empty((), dtype=spec.dtype).element_size()
+
+
 def format_for_dtype(dtype: torch.dtype) -> ExpertFormat:
     """The expert format of unquantized experts of ``dtype``.
 
@@ -77,6 +83,13 @@ class ExpertBanks:
     written, so rows of dense layers (never loaded) cost no memory. Pinning, when a GPU
     copies from them, happens after the rows are filled (:meth:`pin`), as FreeToken §3.3
     prescribes: pinning empty buffers would fault in and zero every page first.
+
+    ``reserve=True`` (the slot banks of a resizable cache) on the CPU maps each bank as
+    anonymous memory with ``MAP_NORESERVE``: address space for all ``rows`` is reserved, a
+    page is committed when first written, and :meth:`release_rows` hands the pages of a tail
+    back to the OS (``madvise(MADV_DONTNEED)``) while the base pointers stay put. On CUDA the
+    banks are ordinary allocations of ``rows`` (a VMM reservation is the GPU design's next
+    step; ``release_rows`` then returns nothing).
     """
 
     def __init__(
@@ -86,6 +99,7 @@ class ExpertBanks:
         intermediate_size: int,
         rows: int,
         device: torch.device | str,
+        reserve: bool = False,
     ):
         self.format = fmt
         self.hidden_size = hidden_size
@@ -93,19 +107,53 @@ class ExpertBanks:
         self.specs = fmt.banks(hidden_size, intermediate_size)
         self.rows = rows
         self.device = torch.device(device)
-        self.tensors: Dict[str, torch.Tensor] = {
-            s.name: torch.empty((rows, *s.row_shape), dtype=s.dtype, device=self.device)
-            for s in self.specs
-        }
+        self._maps: Dict[str, mmap.mmap] = {}
+        self.tensors: Dict[str, torch.Tensor] = {}
+        for s in self.specs:
+            if reserve and self.device.type == "cpu":
+                self.tensors[s.name] = self._reserved(s, rows)
+            else:
+                self.tensors[s.name] = torch.empty(
+                    (rows, *s.row_shape), dtype=s.dtype, device=self.device
+                )
         self._registered = False
+
+    def _reserved(self, spec: BankSpec, rows: int) -> torch.Tensor:
+        nbytes = rows * _row_bytes(spec)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        mm = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=flags)
+        self._maps[spec.name] = mm
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        return flat.view(spec.dtype).view(rows, *spec.row_shape)
+
+    def release_rows(self, start: int) -> int:
+        """Return the memory of rows ``[start, rows)`` of every reserved bank to the OS; the
+        rows read as zeros afterwards and are committed again when written.
+
+        Returns:
+            bytes released (whole pages inside the tail; 0 for banks that are not reserved).
+
+        Raises:
+            ValueError: ``start`` outside ``[0, rows]``.
+        """
+        if not 0 <= start <= self.rows:
+            raise ValueError(f"release_rows({start}) outside [0, {self.rows}]")
+        released = 0
+        for spec in self.specs:
+            mm = self._maps.get(spec.name)
+            if mm is None:
+                continue
+            total = self.rows * _row_bytes(spec)
+            lo = -(-start * _row_bytes(spec) // mmap.PAGESIZE) * mmap.PAGESIZE
+            if lo < total:
+                mm.madvise(mmap.MADV_DONTNEED, lo, total - lo)
+                released += total - lo
+        return released
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of one complete expert across all banks."""
-        return sum(
-            math.prod(s.row_shape) * torch.empty((), dtype=s.dtype).element_size()
-            for s in self.specs
-        )
+        return sum(_row_bytes(s) for s in self.specs)
 
     def bank_list(self):
         """The bank tensors in spec order (the order every op receives them in)."""

@@ -200,18 +200,28 @@ class ExpertSlotCache:
                 "(pure-CPU MoE fallback, FreeToken §4.2)"
             )
             slots = 0
-        max_fills = max(1, min(cfg.max_fills or 2 * self.top_k, max(slots, 1)))
+        # Room for the largest pool :meth:`resize_slots` may grow to: on the CPU the whole
+        # routed pool (reserved address space, committed as written); on CUDA today the
+        # startup size (module ``resize``).
+        capacity = slots if on_cuda else self.pool_experts
+        max_fills = max(1, min(cfg.max_fills or 2 * self.top_k, max(capacity, 1)))
         if on_cuda:
             from sglang.srt.layers.moe.expert_cache.cuda_branch import check_cuda_support
 
             max_fills = check_cuda_support(self.num_experts, max_fills, cfg.max_fills)
         self.num_slots = slots
         self.slots = ExpertBanks(
-            self.format, self.hidden_size, self.intermediate_size, slots, self.device
+            self.format,
+            self.hidden_size,
+            self.intermediate_size,
+            capacity,
+            self.device,
+            reserve=True,
         )
         self.tables = ExpertCacheTables.allocate(
-            self.num_layers, self.num_experts, slots, self.device
+            self.num_layers, self.num_experts, capacity, self.device
         )
+        self.tables.live_slots.fill_(slots)
         self.fills = FillList.allocate(max_fills, self.device)
         self._place_at_load()
         if on_cuda:
@@ -276,14 +286,68 @@ class ExpertSlotCache:
             host = self.host[name]
             rows = max(1, PLACE_CHUNK_BYTES // (host[0].numel() * host.element_size()))
             for lo in range(0, self.num_slots, rows):
-                chunk = host.index_select(0, src[lo : lo + rows])
-                bank[lo : lo + rows].copy_(chunk.to(self.device))
+                hi = min(lo + rows, self.num_slots)  # the banks reserve more rows than live
+                bank[lo:hi].copy_(host.index_select(0, src[lo:hi]).to(self.device))
         t = self.tables
-        t.id_of_slot.copy_(src.to(torch.int32))
+        t.id_of_slot[: self.num_slots].copy_(src.to(torch.int32))
         t.slot_of_id[src.to(self.device)] = torch.arange(
             self.num_slots, dtype=torch.int32, device=self.device
         )
-        t.slot_last_use.fill_(0)
+        t.slot_last_use[: self.num_slots].fill_(0)
+
+    @property
+    def slot_capacity(self) -> int:
+        """The most slots :meth:`resize_slots` can give (reserved at :meth:`finalize`)."""
+        return self.tables.id_of_slot.numel() if self.finalized else 0
+
+    def resize_slots(self, num_slots: int) -> int:
+        """Resize the slot pool at a safe point (no layer call in flight), keeping the most
+        recently used entries; FreeToken §3.3 "Runtime cache reconfiguration" (module
+        :mod:`resize`). A shrink moves kept entries below the new end (a row copy in every
+        bank) and returns the tail's memory; a grow adds empty slots, filled by later misses.
+        Outputs stay what they were: on the CPU bit for bit (the host pool is the source of
+        truth).
+
+        Args:
+            num_slots: the new slot count: 0 (every expert on the CPU) or at least ``top_k``,
+                at most :attr:`slot_capacity`.
+
+        Returns:
+            bytes of slot memory released to the OS (0 for a grow, and on CUDA for now).
+
+        Raises:
+            RuntimeError: before :meth:`finalize`.
+            ValueError: ``num_slots`` between 1 and ``top_k - 1`` or above the capacity; the
+                cache is unchanged.
+        """
+        from sglang.srt.layers.moe.expert_cache.resize import resize_tables
+
+        if not self.finalized:
+            raise RuntimeError("Expert cache: resize_slots before the cache was built")
+        if 0 < num_slots < self.top_k or not 0 <= num_slots <= self.slot_capacity:
+            raise ValueError(
+                f"expert cache size must be 0 or {self.top_k}..{self.slot_capacity} slots "
+                f"(one layer's top-k up to the reserved pool), got {num_slots}"
+            )
+        if num_slots and not self.num_slots and self.fill_ratio == 0.0:
+            self.bandwidths = self.measure_bandwidths(
+                torch.ops.sgl_kernel.expert_pool_set_threads(self.config.cpu_threads)
+            )
+            self.fill_ratio = self.bandwidths.fill_ratio
+        src, dst = resize_tables(self.tables, num_slots)
+        if src.numel():
+            for bank in self.slots.tensors.values():
+                bank.index_copy_(0, dst, bank.index_select(0, src))
+        released = self.slots.release_rows(num_slots) if num_slots < self.num_slots else 0
+        logger.info(
+            "Expert cache: %d -> %d slots (%d entries moved, %.1f MB released)",
+            self.num_slots,
+            num_slots,
+            src.numel(),
+            released / 1e6,
+        )
+        self.num_slots = num_slots
+        return released
 
     # ---------------------------------------------------------------- forward
     def control(self, layer_id: int, topk_ids: torch.Tensor) -> Routing:
@@ -402,6 +466,9 @@ class ExpertSlotCache:
             AssertionError: a slot holds two ids, or the tables are not inverse.
         """
         ids = self.tables.id_of_slot.tolist()
+        tail = ids[self.num_slots :], self.tables.slot_last_use[self.num_slots :].tolist()
+        assert int(self.tables.live_slots.item()) == self.num_slots, "live_slots != num_slots"
+        assert all(g == -1 for g in tail[0]) and all(t == -1 for t in tail[1]), "tail not empty"
         held = [g for g in ids if g >= 0]
         assert len(held) == len(set(held)), "a global expert id sits in two slots"
         slot_of = self.tables.slot_of_id.tolist()

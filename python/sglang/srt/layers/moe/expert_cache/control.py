@@ -100,7 +100,9 @@ class ExpertCacheTables:
     ``slot_of_id[L*E]`` int32 (slot or -1), ``id_of_slot[S]`` int32 (global id ``layer*E +
     expert`` or -1), ``slot_last_use[S]`` int64 (clock value of the last use, -1 = never),
     ``clock[1]`` int64 (layer calls so far), ``stats[len(Stat)]`` int64 (running sums of the
-    calls' counters, indexed by :class:`Stat`).
+    calls' counters, indexed by :class:`Stat`), ``live_slots[1]`` int32 (the slots in the
+    cache, ``<= S``; the rest is the released tail of a shrunk pool: device data, so a captured
+    graph stays valid across a resize; :mod:`reference` steps and ``resize``).
     """
 
     slot_of_id: torch.Tensor
@@ -108,6 +110,7 @@ class ExpertCacheTables:
     slot_last_use: torch.Tensor
     clock: torch.Tensor
     stats: torch.Tensor
+    live_slots: torch.Tensor
 
     @staticmethod
     def allocate(
@@ -128,6 +131,7 @@ class ExpertCacheTables:
             slot_last_use=torch.full((num_slots,), -1, **i64),
             clock=torch.zeros(1, **i64),
             stats=torch.zeros(len(Stat), **i64),
+            live_slots=torch.full((1,), num_slots, **i32),
         )
 
 
@@ -238,6 +242,7 @@ def expert_cache_control(
         tables.stats,
         float(fill_ratio),
         int(MissPolicy.parse(policy)),
+        tables.live_slots,
     )
     return Routing(slot_ids, cpu_ids, fills)
 

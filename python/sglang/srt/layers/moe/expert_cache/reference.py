@@ -8,7 +8,11 @@ by ``torch.ops.sgl_kernel.expert_cache_control`` (C++ on CPU, CUDA on GPU):
 * ``slot_of_id[L*E]`` int32: slot holding global id ``g``, or -1;
 * ``id_of_slot[S]`` int32: global id held by a slot, or -1 (empty);
 * ``slot_last_use[S]`` int64: clock value of the slot's last use, -1 = never (empty slots);
-* ``clock[1]`` int64: advanced by one per call.
+* ``clock[1]`` int64: advanced by one per call;
+* ``live_slots[1]`` int32: the slots in the cache, ``S_live <= S``. Slots ``[S_live, S)`` are
+  the released tail of a shrunk pool: always empty (id -1, last use -1), never a hit or a
+  victim. Everything below reads ``S`` as ``S_live``; :meth:`ReferenceExpertCache.resize`
+  changes it (FreeToken §3.3 "Runtime cache reconfiguration").
 
 One call, for one layer's routing ``topk_ids[T, K]`` (layer-local ids in ``[0, E)``, -1 =
 padding), with ``F`` = capacity of the fill lists, does exactly:
@@ -51,7 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from sglang.srt.layers.moe.expert_cache.control import MissPolicy, Stat
 
@@ -96,6 +100,7 @@ class ReferenceExpertCache:
         self.slot_last_use: List[int] = [-1] * num_slots
         self.clock: int = 0
         self.stats: List[int] = [0] * len(Stat)  # running sums of the calls' counts
+        self.live_slots = num_slots
 
     def control(
         self,
@@ -136,7 +141,7 @@ class ReferenceExpertCache:
                 misses.append(e)
         m = len(misses)
         # 4. fill count
-        candidates = [s for s in range(self.num_slots) if self.slot_last_use[s] != now]
+        candidates = [s for s in range(self.live_slots) if self.slot_last_use[s] != now]
         q = min(fill_count(policy, m, fill_ratio), num_fill, len(candidates))
         # 5. fill order: most tokens first, then lower id
         misses.sort(key=lambda e: (-tokens[e], e))
@@ -179,8 +184,46 @@ class ReferenceExpertCache:
         self.stats = [a + b for a, b in zip(self.stats, counts)]
         return ControlResult(slot_ids, cpu_ids, fill_src, fill_dst, counts)
 
+    def resize(self, live_slots: int) -> List[Tuple[int, int]]:
+        """Resize the cache to ``live_slots`` slots; return the slot moves ``(src, dst)``.
+
+        Shrink (``live_slots < S_live``): the ``live_slots`` occupied slots with the largest
+        ``(slot_last_use, -slot)`` stay (the most recently used entries; ties: lower slot), the
+        other occupied slots are evicted (``slot_of_id[g] = -1``). Each kept entry at a slot
+        ``>= live_slots`` moves, in ascending slot order, to the lowest free slot below
+        ``live_slots`` (its id and last use go with it; the caller copies the expert's rows
+        from ``src`` to ``dst`` in every bank). The tail ``[live_slots, S)`` is left empty.
+        Grow: the slots ``[S_live, live_slots)`` join the cache empty (the tail always is), so
+        the next fills take them first. The clock and the counters do not change.
+
+        Raises:
+            ValueError: ``live_slots`` outside ``[0, S]``.
+        """
+        if not 0 <= live_slots <= self.num_slots:
+            raise ValueError(f"live_slots {live_slots} outside [0, {self.num_slots}]")
+        moves: List[Tuple[int, int]] = []
+        if live_slots < self.live_slots:
+            occupied = [s for s in range(self.live_slots) if self.id_of_slot[s] >= 0]
+            occupied.sort(key=lambda s: (-self.slot_last_use[s], s))
+            kept = set(occupied[:live_slots])
+            for s in occupied[live_slots:]:
+                self.slot_of_id[self.id_of_slot[s]] = -1
+                self.id_of_slot[s], self.slot_last_use[s] = -1, -1
+            free = [s for s in range(live_slots) if s not in kept]
+            for src, dst in zip(sorted(s for s in kept if s >= live_slots), free):
+                g = self.id_of_slot[src]
+                self.id_of_slot[dst], self.slot_last_use[dst] = g, self.slot_last_use[src]
+                self.slot_of_id[g] = dst
+                self.id_of_slot[src], self.slot_last_use[src] = -1, -1
+                moves.append((src, dst))
+        self.live_slots = live_slots
+        return moves
+
     def check_invariants(self) -> None:
-        """Assert the table invariants: the two maps are inverse, no slot holds two ids."""
+        """Assert the table invariants: the two maps are inverse, no slot holds two ids, the
+        tail past ``live_slots`` is empty."""
+        for s in range(self.live_slots, self.num_slots):
+            assert self.id_of_slot[s] == -1 and self.slot_last_use[s] == -1, f"tail slot {s}"
         seen = set()
         for s, g in enumerate(self.id_of_slot):
             if g >= 0:
