@@ -25,12 +25,14 @@ and without the factor; this file did not measure the whole model with a wrong f
 
 from __future__ import annotations
 
-import re
-
 import pytest
-import requests
 from conftest import model_path
-from e2e_util import assert_as_accurate_as_torch_loop, greedy_with_logprobs, random_prompts
+from e2e_util import (
+    assert_as_accurate_as_torch_loop,
+    expert_cache_counters,
+    greedy_with_logprobs,
+    random_prompts,
+)
 
 ARCH = "glm4_moe"
 NEW_TOKENS = 16
@@ -55,12 +57,6 @@ SLOTS8 = (
 )
 
 
-def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not exported"
-    return float(m.group(1))
-
-
 _RESULTS: dict = {}
 
 
@@ -78,11 +74,7 @@ def results(server_pool):
                 srv = server_pool.get(ARCH, RESIDENT if name == "resident" else SLOTS8)
             _RESULTS[name] = greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
             if name == "slots8":
-                text = requests.get(srv.url + "/metrics", timeout=60).text
-                _RESULTS["slots8_metrics"] = {
-                    k: _metric(text, f"sglang:expert_cache_{k}")
-                    for k in ("misses_total", "fills_total", "cpu_experts_total", "slots")
-                }
+                _RESULTS["slots8_metrics"] = expert_cache_counters(srv.url)
         return _RESULTS[name]
 
     return get
