@@ -200,6 +200,24 @@ def expert_cache_counters(url: str) -> dict[str, float]:
     return {k: metric(text, f"sglang:expert_cache_{k}") for k in keys}
 
 
+def assert_identical_outputs(want: list[dict], got: list[dict]) -> None:
+    """Greedy tokens, input and output logprobs of :func:`greedy_with_logprobs` identical,
+    prompt by prompt."""
+    assert len(want) == len(got)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
+        assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
+        assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
+
+
+def assert_split_happened(counters: dict[str, float], slots: int) -> None:
+    """:func:`expert_cache_counters` of a server with ``slots`` slots: misses were filled and
+    misses ran on the CPU, and fills + CPU experts account for every miss."""
+    assert counters["slots"] == slots
+    assert counters["fills_total"] >= 1 and counters["cpu_experts_total"] >= 1
+    assert counters["fills_total"] + counters["cpu_experts_total"] == counters["misses_total"]
+
+
 # Bounds of a cache server's error against transformers in float32, relative to the error of
 # upstream's per-expert torch loop (SGLANG_CPU_MOE_BACKEND=native) on the same prompts: the
 # whole-model error is dominated by bf16 rounding elsewhere, and its max is a near-tie token.

@@ -24,7 +24,13 @@ so ``e2e_util.assert_as_accurate_as_torch_loop`` does not apply.
 from __future__ import annotations
 
 import pytest
-from e2e_util import expert_cache_counters, greedy_with_logprobs, random_prompts
+from e2e_util import (
+    assert_identical_outputs,
+    assert_split_happened,
+    expert_cache_counters,
+    greedy_with_logprobs,
+    random_prompts,
+)
 
 
 def _executor_runs_fp8() -> bool:
@@ -87,11 +93,5 @@ def test_fp8_serves_without_the_cache(results):
 def test_eight_slots_equal_all_resident(results):
     stock = results("stock")
     got = results("slots8")
-    for i, (a, b) in enumerate(zip(stock, got)):
-        assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
-        assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
-        assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
-    m = results("slots8_metrics")
-    assert m["slots"] == 8
-    assert m["fills_total"] >= 1 and m["cpu_experts_total"] >= 1
-    assert m["fills_total"] + m["cpu_experts_total"] == m["misses_total"]
+    assert_identical_outputs(stock, got)
+    assert_split_happened(results("slots8_metrics"), slots=8)

@@ -29,6 +29,8 @@ import pytest
 from conftest import model_path
 from e2e_util import (
     assert_as_accurate_as_torch_loop,
+    assert_identical_outputs,
+    assert_split_happened,
     expert_cache_counters,
     greedy_with_logprobs,
     random_prompts,
@@ -83,15 +85,8 @@ def results(server_pool):
 def test_eight_slots_equal_all_resident(results):
     resident = results("resident")
     got = results("slots8")
-    for i, (a, b) in enumerate(zip(resident, got)):
-        assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
-        assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
-        assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
-    m = results("slots8_metrics")
-    assert m["slots"] == 8
-    # the split really happened: misses filled and misses run on the CPU
-    assert m["fills_total"] >= 1 and m["cpu_experts_total"] >= 1
-    assert m["fills_total"] + m["cpu_experts_total"] == m["misses_total"]
+    assert_identical_outputs(resident, got)
+    assert_split_happened(results("slots8_metrics"), slots=8)
 
 
 def test_all_resident_as_accurate_as_upstream_moe(results):

@@ -5,6 +5,9 @@ loading of a block from a checkpoint's state dict through upstream's weight load
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 
 def publish_cpu_server(model: str) -> None:
@@ -85,3 +88,24 @@ def load_block(block, state: dict, prefix: str, num_experts: int) -> None:
         loaded.add(target)
     missing = set(params) - loaded
     assert not missing, f"parameters the checkpoint did not fill: {sorted(missing)}"
+
+
+def run_block_check(script: Path, model: Path, out: Path, env: dict | None = None):
+    """Run a ``*_block_check.py`` ``script`` on ``model`` in a fresh process (CPU engine, no
+    Hub) and return what it saved to ``out`` (``torch.load``).
+
+    Raises:
+        AssertionError: the script failed; the message carries the end of its output.
+    """
+    import torch
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_USE_CPU_ENGINE="1", **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(out)

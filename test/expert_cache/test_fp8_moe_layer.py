@@ -17,13 +17,11 @@ Checked:
 * the dense FP8 linears are dequantized to bf16 at load (patch 0003) to within bf16 rounding.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_block_util import run_block_check
 
 SCRIPT = Path(__file__).with_name("fp8_moe_block_check.py")
 CONFIGS = ("resident", "slots8_qstar", "slots8_cpu", "slots16_fill", "slots50pct_qstar")
@@ -40,17 +38,7 @@ def block_results(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fp8")
     model = build("qwen3_moe", tmp / "qwen3-moe-fp8-tiny", quant="fp8")
-    out = tmp / "out.pt"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_USE_CPU_ENGINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out)
+    return run_block_check(SCRIPT, model, tmp / "out.pt")
 
 
 def _needs_executor(results) -> None:
