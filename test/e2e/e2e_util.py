@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -176,6 +177,45 @@ def greedy_with_logprobs(url: str, prompts: list[list[int]], new_tokens: int) ->
             )
         )
     return outs
+
+
+def metric(text: str, name: str) -> float:
+    """The value of Prometheus metric ``name`` (any labels) in a ``/metrics`` page ``text``.
+
+    Raises:
+        AssertionError: not exported (the message lists the expert-cache lines there are).
+    """
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not exported:\n" + "\n".join(
+        line for line in text.splitlines() if "expert_cache" in line
+    )
+    return float(m.group(1))
+
+
+def expert_cache_counters(url: str) -> dict[str, float]:
+    """The server's ``sglang:expert_cache_{misses_total,fills_total,cpu_experts_total,slots}``
+    (``--enable-metrics``), keyed without the prefix."""
+    text = requests.get(url + "/metrics", timeout=60).text
+    keys = ("misses_total", "fills_total", "cpu_experts_total", "slots")
+    return {k: metric(text, f"sglang:expert_cache_{k}") for k in keys}
+
+
+def assert_identical_outputs(want: list[dict], got: list[dict]) -> None:
+    """Greedy tokens, input and output logprobs of :func:`greedy_with_logprobs` identical,
+    prompt by prompt."""
+    assert len(want) == len(got)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
+        assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
+        assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
+
+
+def assert_split_happened(counters: dict[str, float], slots: int) -> None:
+    """:func:`expert_cache_counters` of a server with ``slots`` slots: misses were filled and
+    misses ran on the CPU, and fills + CPU experts account for every miss."""
+    assert counters["slots"] == slots
+    assert counters["fills_total"] >= 1 and counters["cpu_experts_total"] >= 1
+    assert counters["fills_total"] + counters["cpu_experts_total"] == counters["misses_total"]
 
 
 # Bounds of a cache server's error against transformers in float32, relative to the error of

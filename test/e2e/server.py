@@ -24,17 +24,20 @@ DEFAULT_MODELS = {
     "qwen3_next": "qwen3-next-tiny",
     "qwen3_moe": "qwen3-moe-tiny",
     "glm4_moe": "glm4-moe-tiny",
+    "qwen3_moe_fp8": "qwen3-moe-fp8-tiny",
 }
+# Quantized tiny models: (architecture, --quant) of the builder.
+QUANTIZED = {"qwen3_moe_fp8": ("qwen3_moe", "fp8")}
 
 
 def ensure_model(arch: str = "qwen3_next") -> Path:
-    """Build the embedded tiny model for ``arch`` into ``.models/`` once; return its folder."""
+    """Build the embedded tiny model for ``arch`` (a key of ``DEFAULT_MODELS``) into
+    ``.models/`` once; return its folder."""
     out = MODELS / DEFAULT_MODELS[arch]
     if not (out / "config.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "sglang.test.tiny_models", "--arch", arch, "--out", str(out)],
-            check=True,
-        )
+        base, quant = QUANTIZED.get(arch, (arch, None))
+        cmd = [sys.executable, "-m", "sglang.test.tiny_models", "--arch", base, "--out", str(out)]
+        subprocess.run(cmd + (["--quant", quant] if quant else []), check=True)
     return out
 
 

@@ -24,13 +24,17 @@ For cache sizes from one layer's top-k (8 slots) to the whole pool and for each 
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import pytest
 import requests
 from conftest import model_path
-from e2e_util import assert_as_accurate_as_torch_loop, greedy_with_logprobs, random_prompts
+from e2e_util import (
+    assert_as_accurate_as_torch_loop,
+    greedy_with_logprobs,
+    metric,
+    random_prompts,
+)
 
 NEW_TOKENS = 16
 NATIVE = {"SGLANG_CPU_MOE_BACKEND": "native"}  # upstream's per-expert torch loop (cpu_executor.py)
@@ -103,14 +107,6 @@ def test_cache_equals_all_resident(results, arch, config):
         assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
 
 
-def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not exported:\n" + "\n".join(
-        line for line in text.splitlines() if "expert_cache" in line
-    )
-    return float(m.group(1))
-
-
 def test_metrics_exported(results, server_pool):
     arch, config = METRICS_CONFIG
     results(arch, config)  # this configuration's outputs, measured before the requests below
@@ -123,15 +119,15 @@ def test_metrics_exported(results, server_pool):
         )
         assert r.status_code == 200, r.text
     text = requests.get(srv.url + "/metrics", timeout=60).text
-    _metric(text, "sglang:expert_cache_hits_total")  # exported; 8 slots for 4 layers may hit none
-    misses = _metric(text, "sglang:expert_cache_misses_total")
-    fills = _metric(text, "sglang:expert_cache_fills_total")
-    cpu = _metric(text, "sglang:expert_cache_cpu_experts_total")
+    metric(text, "sglang:expert_cache_hits_total")  # exported; 8 slots for 4 layers may hit none
+    misses = metric(text, "sglang:expert_cache_misses_total")
+    fills = metric(text, "sglang:expert_cache_fills_total")
+    cpu = metric(text, "sglang:expert_cache_cpu_experts_total")
     assert misses > 0
     assert fills + cpu == misses
     assert fills >= 1 and cpu >= 1  # qstar at B_P/B_H = 0.5 does both
-    assert _metric(text, "sglang:expert_cache_slots") == 8
-    assert 0 < _metric(text, "sglang:expert_cache_occupied_slots") <= 8
+    assert metric(text, "sglang:expert_cache_slots") == 8
+    assert 0 < metric(text, "sglang:expert_cache_occupied_slots") <= 8
     # Patch 0033: the scheduler's decode log publishes the device counters (a CUDA graph replay
     # runs no Python). With --decode-log-interval 1 the published layer calls follow each
     # request exactly; from the 64-call publication in forward alone they would move in steps
@@ -162,7 +158,7 @@ def _settled_calls(url: str, timeout_s: float = 20.0) -> float:
     last = None
     while True:
         text = requests.get(url + "/metrics", timeout=60).text
-        value = _metric(text, "sglang:expert_cache_calls_total")
+        value = metric(text, "sglang:expert_cache_calls_total")
         if value == last or time.monotonic() > deadline:
             return value
         last = value

@@ -25,12 +25,16 @@ and without the factor; this file did not measure the whole model with a wrong f
 
 from __future__ import annotations
 
-import re
-
 import pytest
-import requests
 from conftest import model_path
-from e2e_util import assert_as_accurate_as_torch_loop, greedy_with_logprobs, random_prompts
+from e2e_util import (
+    assert_as_accurate_as_torch_loop,
+    assert_identical_outputs,
+    assert_split_happened,
+    expert_cache_counters,
+    greedy_with_logprobs,
+    random_prompts,
+)
 
 ARCH = "glm4_moe"
 NEW_TOKENS = 16
@@ -55,12 +59,6 @@ SLOTS8 = (
 )
 
 
-def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not exported"
-    return float(m.group(1))
-
-
 _RESULTS: dict = {}
 
 
@@ -78,11 +76,7 @@ def results(server_pool):
                 srv = server_pool.get(ARCH, RESIDENT if name == "resident" else SLOTS8)
             _RESULTS[name] = greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
             if name == "slots8":
-                text = requests.get(srv.url + "/metrics", timeout=60).text
-                _RESULTS["slots8_metrics"] = {
-                    k: _metric(text, f"sglang:expert_cache_{k}")
-                    for k in ("misses_total", "fills_total", "cpu_experts_total", "slots")
-                }
+                _RESULTS["slots8_metrics"] = expert_cache_counters(srv.url)
         return _RESULTS[name]
 
     return get
@@ -91,15 +85,8 @@ def results(server_pool):
 def test_eight_slots_equal_all_resident(results):
     resident = results("resident")
     got = results("slots8")
-    for i, (a, b) in enumerate(zip(resident, got)):
-        assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
-        assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
-        assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
-    m = results("slots8_metrics")
-    assert m["slots"] == 8
-    # the split really happened: misses filled and misses run on the CPU
-    assert m["fills_total"] >= 1 and m["cpu_experts_total"] >= 1
-    assert m["fills_total"] + m["cpu_experts_total"] == m["misses_total"]
+    assert_identical_outputs(resident, got)
+    assert_split_happened(results("slots8_metrics"), slots=8)
 
 
 def test_all_resident_as_accurate_as_upstream_moe(results):

@@ -36,10 +36,13 @@ expert resolution and the method class of each configuration, with ``torch.save`
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from moe_block_util import load_block, publish_cpu_server, start_group  # noqa: E402
 
 CALLS = (1, 3, 37, 2, 64)  # tokens per call: decode-like and prefill-like batches
 LAYER = 1
@@ -54,81 +57,6 @@ CONFIGS = {
 BANDWIDTHS = dict(expert_cache_fill_gbps=10.0, expert_cache_cpu_gbps=20.0)
 
 
-def _publish(model: str) -> None:
-    """SGLang's runtime context for a CPU server of ``model`` (no expert cache)."""
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    reset_context()
-    publish(
-        ServerArgs(model_path=model, device="cpu", tp_size=1),
-        role="test",
-        ranks=SpawnRanks(world_rank=0),
-    )
-
-
-def _start_group() -> None:
-    """A world of one process (gloo), and upstream's model-parallel groups over it."""
-    from sglang.srt.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    for k, v in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    initialize_model_parallel(backend="gloo")
-
-
-def _load(block, state: dict, prefix: str) -> None:
-    """Feed the checkpoint tensors under ``prefix`` to the block's parameters the way
-    ``Glm4MoeForCausalLM.load_weights`` does (expert and stacked mappings, weight loaders)."""
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-    from sglang.srt.model_loader.weight_utils import default_weight_loader
-
-    params = dict(block.named_parameters())
-    experts = FusedMoE.make_expert_params_mapping(
-        ckpt_gate_proj_name="gate_proj",
-        ckpt_down_proj_name="down_proj",
-        ckpt_up_proj_name="up_proj",
-        num_experts=block.config.n_routed_experts,
-    )
-    stacked = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
-    loaded = set()
-    for full, w in state.items():
-        if not full.startswith(prefix):
-            continue
-        name = full[len(prefix) :]
-        if name.startswith("experts."):
-            for param_name, weight_name, expert_id, shard_id in experts:
-                if weight_name in name:
-                    target = name.replace(weight_name, param_name)
-                    p = params[target]
-                    p.weight_loader(p, w, target, shard_id=shard_id, expert_id=expert_id)
-                    break
-            else:
-                raise AssertionError(f"no expert mapping for {full}")
-        else:
-            for param_name, weight_name, shard_id in stacked:
-                if weight_name in name:
-                    target = name.replace(weight_name, param_name)
-                    params[target].weight_loader(params[target], w, shard_id)
-                    break
-            else:
-                target = name
-                p = params[target]
-                getattr(p, "weight_loader", default_weight_loader)(p, w)
-        loaded.add(target)
-    missing = set(params) - loaded
-    assert not missing, f"parameters the checkpoint did not fill: {sorted(missing)}"
-
-
 def _build(cfg, state: dict):
     from sglang.srt.layers.moe.utils import resolve_shared_experts_config
     from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM, Glm4MoeSparseMoeBlock
@@ -141,7 +69,7 @@ def _build(cfg, state: dict):
             block = Glm4MoeSparseMoeBlock(cfg, layer_id=LAYER, prefix=f"model.layers.{LAYER}.mlp")
     finally:
         torch.set_default_dtype(torch.float32)
-    _load(block, state, f"model.layers.{LAYER}.mlp.")
+    load_block(block, state, f"model.layers.{LAYER}.mlp.", cfg.n_routed_experts)
     block.experts.quant_method.process_weights_after_loading(block.experts)
     return block, shared
 
@@ -188,8 +116,8 @@ def main() -> None:
     state = builder.make_state_dict("glm4_moe")
     xs = _inputs(cfg.hidden_size)
     result = {"shared": {}, "method": {}}
-    _publish(model)
-    _start_group()
+    publish_cpu_server(model)
+    start_group()
     for name, flags in CONFIGS.items():
         reset_expert_slot_cache()
         # The server flags of this configuration (as `--enable-expert-cache ...` would set

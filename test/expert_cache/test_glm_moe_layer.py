@@ -19,13 +19,11 @@ layer's top-k, and runs upstream's ``forward_normal`` on five batches. Checked:
   patch 0034's, tested in ``test_layer_config.py``).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_block_util import run_block_check
 
 SCRIPT = Path(__file__).with_name("glm_moe_block_check.py")
 # bf16 activations and weights, fp32 accumulation, two bf16 roundings (h and the output) and
@@ -40,17 +38,7 @@ def block_results(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("glm")
     model = build("glm4_moe", tmp / "glm4-moe-tiny")
-    out = tmp / "out.pt"
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1", SGLANG_USE_CPU_ENGINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out)
+    return run_block_check(SCRIPT, model, tmp / "out.pt", env=dict(TORCHDYNAMO_DISABLE="1"))
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor):

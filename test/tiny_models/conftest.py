@@ -84,3 +84,10 @@ def hf_tokenizer(next_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(next_dir))
+
+
+@pytest.fixture(scope="session")
+def fp8_dir(tmp_path_factory):
+    return tiny_models.build(
+        "qwen3_moe", tmp_path_factory.mktemp("m") / "qwen3_moe_fp8", quant="fp8"
+    )

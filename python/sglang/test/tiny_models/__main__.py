@@ -1,10 +1,12 @@
-"""CLI: ``python -m sglang.test.tiny_models --arch qwen3_next --out DIR [--seed N] [--force]``."""
+"""CLI: ``python -m sglang.test.tiny_models --arch qwen3_next --out DIR [--seed N] [--force]
+[--quant fp8]``."""
 
 import argparse
 import sys
 import time
 
 from .builder import ARCHS, DEFAULT_ARCH, DEFAULT_SEED, build, param_count
+from .quantize import QUANTS
 
 
 def main(argv=None) -> int:
@@ -16,6 +18,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument(
+        "--quant",
+        choices=QUANTS,
+        default=None,
+        help="write a released quantized layout (fp8: block FP8 as Qwen's -FP8 releases)",
+    )
     parser.add_argument(
         "--no-tokenizer-cache",
         action="store_true",
@@ -30,12 +38,13 @@ def main(argv=None) -> int:
             seed=args.seed,
             force=args.force,
             use_tokenizer_cache=not args.no_tokenizer_cache,
+            quant=args.quant,
         )
-    except FileExistsError as e:
+    except (FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"wrote {args.arch} ({param_count(args.arch) / 1e6:.1f}M params, seed {args.seed}) "
+        f"wrote {args.arch}{' ' + args.quant if args.quant else ''} ({param_count(args.arch) / 1e6:.1f}M params, seed {args.seed}) "
         f"to {out} in {time.perf_counter() - t0:.1f}s"
     )
     return 0

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from . import tokenizer as tok_mod
+from .quantize import QUANTS, quantize_state
 
 DEFAULT_ARCH = "qwen3_next"
 DEFAULT_SEED = 0
@@ -80,6 +81,8 @@ GLM_DENSE_INTERMEDIATE = 512
 
 
 ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe")
+# Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's layout).
+QUANT_ARCHS = ("qwen3_moe",)
 
 
 def _common_config() -> dict:
@@ -394,8 +397,13 @@ def build(
     seed: int = DEFAULT_SEED,
     force: bool = False,
     use_tokenizer_cache: bool = True,
+    quant: Optional[str] = None,
 ) -> Path:
     """Write the tiny model for ``arch`` into ``out_dir``; returns the directory.
+
+    ``quant`` (None = bf16) writes the checkpoint in a released quantized layout instead
+    (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``qwen3_moe``
+    only). Raises ValueError for an unknown arch or quant, or a quant the arch does not have.
 
     The directory is written next to its final place and renamed into it, so a reader never
     sees half a model. An existing non-empty ``out_dir`` is an error unless ``force``.
@@ -404,6 +412,10 @@ def build(
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    if quant is not None and quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r}; choose from {QUANTS}")
+    if quant is not None and arch not in QUANT_ARCHS:
+        raise ValueError(f"--quant {quant} is written for {QUANT_ARCHS} only, not {arch!r}")
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
@@ -419,6 +431,9 @@ def build(
         )
         tok_mod.write_tokenizer(tmp, MAX_POSITION_EMBEDDINGS, use_cache=use_tokenizer_cache)
         state = make_state_dict(arch, seed, cfg)
+        if quant is not None:
+            state, cfg = quantize_state(state, cfg, quant)
+            (tmp / "config.json").write_text(_json_text(cfg), encoding="utf-8")
         save_file(
             state,
             str(tmp / "model.safetensors"),

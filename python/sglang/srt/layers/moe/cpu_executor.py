@@ -62,6 +62,11 @@ def _layer_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
         return "weights not on the CPU"
     if not (w13.is_contiguous() and w2.is_contiguous()):
         return "non-contiguous expert weights"
+    return _config_reason(layer, moe_runner_config)
+
+
+def _config_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
+    """The runner-config and layer features the executor lacks (any weight format)."""
     if moe_runner_config.activation != "silu" or not getattr(moe_runner_config, "is_gated", True):
         return f"activation {moe_runner_config.activation} (gated SiLU only)"
     if any(getattr(moe_runner_config, f, None) is not None for f in ("gemm1_beta", "swiglu_limit")):
@@ -139,3 +144,70 @@ def cpu_executor_forward(
         False,
     )
     return out.to(x.dtype)
+
+
+def fp8_cpu_executor_forward(
+    layer: torch.nn.Module, x: torch.Tensor, topk_output, moe_runner_config
+) -> torch.Tensor:
+    """The routed-expert output of one resident block-FP8 MoE layer call on the CPU executor
+    (patch ``0003-fp8-cpu-without-amx``: ``Fp8MoEMethod.apply`` on a CPU without AMX, where
+    upstream has no FP8 MoE kernel).
+
+    Args:
+        layer: a ``FusedMoE`` layer of ``Fp8MoEMethod`` as loaded: ``w13_weight``
+            ``[E, 2*I, H]`` and ``w2_weight`` ``[E, H, I]`` float8_e4m3fn,
+            ``w13_weight_scale_inv`` ``[E, ceil(2I/128), ceil(H/128)]`` and
+            ``w2_weight_scale_inv`` ``[E, ceil(H/128), ceil(I/128)]`` float32.
+        x: ``[T, H]`` bf16 hidden states.
+        topk_output: ``(topk_weights [T, K], topk_ids [T, K], ...)``; -1 ids are padding.
+        moe_runner_config: the layer's ``MoeRunnerConfig``.
+
+    Returns:
+        ``[T, H]`` bf16: ``sum_k w[t, k] * expert_k(x[t])`` with each expert's weights
+        dequantized in the kernel (``fp8 * scale_inv`` per 128 x 128 block).
+
+    Raises:
+        RuntimeError: activations other than bf16 (the layer itself was checked at load by
+            :func:`check_fp8_layer`).
+    """
+    from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
+
+    if x.dtype != torch.bfloat16:
+        raise RuntimeError(
+            f"block-FP8 MoE on the CPU executor takes bf16 activations, got {x.dtype}"
+        )
+    banks = {
+        "w13": layer.w13_weight,
+        "w2": layer.w2_weight,
+        "w13_scale": layer.w13_weight_scale_inv,
+        "w2_scale": layer.w2_weight_scale_inv,
+    }
+    out = torch.empty(x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32)
+    run_experts_cpu(
+        x.contiguous(),
+        topk_output[0].to(torch.float32).contiguous(),
+        [topk_output[1].to(torch.int32).contiguous()],
+        [banks],
+        out,
+    )
+    return out.to(x.dtype)
+
+
+def check_fp8_layer(layer: torch.nn.Module) -> None:
+    """At load (patch 0003, ``Fp8MoEMethod.process_weights_after_loading`` on a CPU without
+    AMX): raise unless :func:`fp8_cpu_executor_forward` can run this layer, so that the server
+    refuses to start instead of failing its first request.
+
+    Raises:
+        RuntimeError: no FP8 executor kernel in this build, or a layer feature the executor
+            lacks (activation, biases, ...); the message says what to do.
+    """
+    from sglang.srt.layers.moe.expert_cache.executor_args import check_executor_format
+
+    check_executor_format("block FP8", quantized=True)
+    reason = _config_reason(layer, layer.moe_runner_config)
+    if reason is not None:
+        raise RuntimeError(
+            f"block-FP8 MoE on a CPU without AMX runs on the CPU executor, which cannot run "
+            f"this layer ({reason}); serve the bf16 checkpoint"
+        )

@@ -23,6 +23,7 @@ from sglang.srt.layers.moe.expert_cache.bandwidth import (
 )
 from sglang.srt.layers.moe.expert_cache.banks import ExpertBanks
 from sglang.srt.layers.moe.expert_cache.control import FillList, Stat, expert_bank_copy
+from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ def probe_bandwidths(
     the whole pool, layers interleaved), so the figures are memory, not last-level-cache,
     bandwidths on any pool larger than the LLC.
     """
-    ops = torch.ops.sgl_kernel
     layers = sorted(layer_ids) or [0]
     pool = torch.tensor(
         [layer * num_experts + e for e in range(num_experts) for layer in layers],
@@ -87,14 +87,14 @@ def probe_bandwidths(
         return time_gbps(run)
 
     def measure_cpu() -> float:
-        x = torch.randn(1, hidden_size, dtype=torch.float32).to(host.format.dtype)
+        x = torch.randn(1, hidden_size, dtype=torch.float32).to(host.format.act_dtype)
         # Explicit dtypes: model loading runs under torch.set_default_dtype(model dtype).
         w = torch.full((1, n), 1.0 / n, dtype=torch.float32)
         out = torch.empty(1, hidden_size, dtype=torch.float32)
 
         def run() -> int:
             rows = next_probe().view(1, n)
-            ops.moe_experts_cpu(x, w, [rows], [host["w13"]], [host["w2"]], out, False)
+            run_experts_cpu(x, w, [rows], [host], out)
             return nbytes
 
         return time_gbps(run)

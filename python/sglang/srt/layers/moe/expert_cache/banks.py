@@ -7,9 +7,13 @@ and the device slots (the cache) use the same bank layout, so one (source id, de
 slot) work list copies an expert across every bank, and the CPU executor and the device
 kernels index experts the same way.
 
-Only BF16 experts exist today. A quantized format (FP8, MXFP4, NVFP4) is another
-:class:`ExpertFormat` with more banks (packed weights plus scale banks): the cache, the
-control step and the copy work list only see rows and never change.
+A format's banks are the per-expert tensors of the layer's quant method, found on the layer
+after the method's ``create_weights`` as upstream's paged experts finds them
+(``paged_experts.formats.expert_params``: every ``w13_*`` / ``w2_*`` parameter with one row per
+expert): BF16 has ``w13`` and ``w2``; block FP8 (``Fp8MoEMethod``) adds ``w13_scale`` /
+``w2_scale`` (``w13_weight_scale_inv`` / ``w2_weight_scale_inv``, float32, one scale per
+128 x 128 block). The cache, the control step and the copy work list only see rows and never
+change with the format.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import math
 import mmap
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -37,23 +41,108 @@ class BankSpec:
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    """How one complete expert is stored: its banks, for a given expert shape."""
+    """How one complete expert is stored: its banks, for a given expert shape.
+
+    ``dtype`` is the dtype of the ``w13`` / ``w2`` weight banks; ``specs`` the banks found on a
+    layer (:func:`format_from_layer`), empty for BF16, whose two banks follow from the shape;
+    ``weight_block_size`` the (rows, cols) block of one scale of a block-quantized format.
+    """
 
     label: str
     dtype: torch.dtype
+    specs: Tuple[BankSpec, ...] = ()
+    weight_block_size: Optional[Tuple[int, int]] = None
+
+    @property
+    def quantized(self) -> bool:
+        """True when the weights carry scale banks (the activations stay bf16)."""
+        return self.weight_block_size is not None
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype of the activations the experts take and return."""
+        return torch.bfloat16 if self.quantized else self.dtype
+
+    def scale_banks(self) -> Tuple[str, ...]:
+        """Names of the scale banks (``w13_scale``, ``w2_scale``), empty when unquantized."""
+        return tuple(s.name for s in self.specs if s.name.endswith("_scale"))
 
     def banks(self, hidden_size: int, intermediate_size: int) -> Tuple[BankSpec, ...]:
         """The banks of an expert with ``hidden_size`` H and ``intermediate_size`` I:
-        ``w13`` [2I, H] (gate rows then up rows, SGLang's ``w13_weight``) and ``w2`` [H, I]."""
+        ``w13`` [2I, H] (gate rows then up rows, SGLang's ``w13_weight``) and ``w2`` [H, I],
+        then a quantized format's scale banks.
+
+        Raises:
+            ValueError: the format was found on a layer of another expert shape.
+        """
         h, i = hidden_size, intermediate_size
-        return (
-            BankSpec("w13", "w13_weight", (2 * i, h), self.dtype),
-            BankSpec("w2", "w2_weight", (h, i), self.dtype),
-        )
+        if not self.specs:
+            return (
+                BankSpec("w13", "w13_weight", (2 * i, h), self.dtype),
+                BankSpec("w2", "w2_weight", (h, i), self.dtype),
+            )
+        by_name = {s.name: s for s in self.specs}
+        if by_name["w13"].row_shape != (2 * i, h) or by_name["w2"].row_shape != (h, i):
+            raise ValueError(
+                f"{self.label} banks are of experts {by_name['w2'].row_shape[::-1]} (I, H), "
+                f"not ({i}, {h})"
+            )
+        return self.specs
 
 
 BF16 = ExpertFormat(label="bf16", dtype=torch.bfloat16)
 FORMATS = {BF16.dtype: BF16}
+# The per-expert parameters of FusedMoE quant methods that the banks hold, by bank name.
+_BANK_NAMES = {
+    "w13_weight": "w13",
+    "w2_weight": "w2",
+    "w13_weight_scale_inv": "w13_scale",
+    "w2_weight_scale_inv": "w2_scale",
+}
+
+
+def format_from_layer(
+    layer: torch.nn.Module,
+    num_experts: int,
+    label: str,
+    weight_block_size: Optional[Tuple[int, int]] = None,
+) -> ExpertFormat:
+    """The format of the per-expert tensors a quant method's ``create_weights`` put on
+    ``layer``, found as upstream's paged experts finds them
+    (``paged_experts.formats.expert_params``). Shapes and dtypes are read from the parameters
+    (they may live on the meta device).
+
+    Args:
+        layer: a ``FusedMoE`` layer after its base method's ``create_weights``.
+        num_experts: experts of the layer (E): a per-expert tensor has E rows.
+        label: the format's name in logs and errors (e.g. ``fp8-block``).
+        weight_block_size: (block_n, block_k) of one scale, None when unquantized.
+
+    Raises:
+        ValueError: the layer has a per-expert tensor the banks do not know (biases, zero
+            points, other scales), or lacks ``w13_weight`` / ``w2_weight``.
+    """
+    from sglang.srt.layers.moe.paged_experts.formats import expert_params
+
+    names = expert_params(layer, num_experts)
+    unknown = [n for n in names if n not in _BANK_NAMES]
+    if unknown or "w13_weight" not in names or "w2_weight" not in names:
+        raise ValueError(
+            f"--enable-expert-cache: the {label} method creates per-expert tensors "
+            f"{list(names)}; the host pool holds {sorted(_BANK_NAMES)} (unsupported: {unknown})"
+        )
+    order = sorted(names, key=list(_BANK_NAMES).index)
+    specs = tuple(
+        BankSpec(
+            _BANK_NAMES[n],
+            n,
+            tuple(getattr(layer, n).shape[1:]),
+            getattr(layer, n).dtype,
+        )
+        for n in order
+    )
+    block = tuple(weight_block_size) if weight_block_size is not None else None
+    return ExpertFormat(label=label, dtype=specs[0].dtype, specs=specs, weight_block_size=block)
 
 
 def _row_bytes(spec: BankSpec) -> int:
@@ -161,6 +250,9 @@ class ExpertBanks:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
 
     def pin(self) -> bool:
         """Page-lock the host banks in place so copies to a GPU run at full bandwidth.

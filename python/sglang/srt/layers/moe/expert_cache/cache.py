@@ -32,7 +32,11 @@ import torch
 
 from sglang.srt.layers.moe.expert_cache.bandwidth import Bandwidths
 from sglang.srt.layers.moe.expert_cache.bandwidth_probe import probe_bandwidths
-from sglang.srt.layers.moe.expert_cache.banks import ExpertBanks, format_for_dtype
+from sglang.srt.layers.moe.expert_cache.banks import (
+    ExpertBanks,
+    ExpertFormat,
+    format_for_dtype,
+)
 from sglang.srt.layers.moe.expert_cache.config import ExpertCacheConfig, resolve_slots
 from sglang.srt.layers.moe.expert_cache.control import (
     ExpertCacheTables,
@@ -42,6 +46,7 @@ from sglang.srt.layers.moe.expert_cache.control import (
     expert_bank_copy,
     expert_cache_control,
 )
+from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
 from sglang.srt.layers.moe.expert_cache.metrics import ExpertCacheMetrics
 
 logger = logging.getLogger(__name__)
@@ -62,8 +67,10 @@ class ExpertSlotCache:
         num_experts: routed experts per MoE layer (E).
         top_k: experts routed per token (K).
         hidden_size, intermediate_size: the expert shape (H, I).
-        dtype: expert weight dtype (BF16 only for now).
+        dtype: the activations' dtype (bf16); with ``fmt`` None also the experts' (BF16).
         device: where the slots live (the model's device).
+        fmt: the experts' format when it is not ``dtype`` itself: a quantized format found on
+            the layer (:func:`banks.format_from_layer`: block FP8 with its scale banks).
         host: an existing host pool of this shape to serve from instead of a new one (several
             caches over one filled pool, as the benchmarks build them); None = a new, empty
             pool that the model's weight loading fills through :meth:`host_rows`.
@@ -84,6 +91,7 @@ class ExpertSlotCache:
         dtype: torch.dtype,
         device: torch.device | str,
         host: Optional[ExpertBanks] = None,
+        fmt: Optional[ExpertFormat] = None,
     ):
         self.config = config
         self.policy = config.policy
@@ -93,7 +101,7 @@ class ExpertSlotCache:
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.device = torch.device(device)
-        self.format = format_for_dtype(dtype)
+        self.format = fmt if fmt is not None else format_for_dtype(dtype)
         rows = num_layers * num_experts
         if host is None:
             host = ExpertBanks(self.format, hidden_size, intermediate_size, rows, "cpu")
@@ -127,16 +135,21 @@ class ExpertSlotCache:
             self.recorder = RoutingRecorder(config.record_routing, num_experts, num_layers)
 
     # ------------------------------------------------------------------ setup
-    def check_shape(self, num_experts, top_k, hidden_size, intermediate_size, dtype) -> None:
-        """Raise ValueError unless a layer has the shape this cache was built for."""
+    def check_shape(
+        self, num_experts, top_k, hidden_size, intermediate_size, dtype, fmt=None
+    ) -> None:
+        """Raise ValueError unless a layer has the shape (and, when given, the expert format)
+        this cache was built for."""
         got = (num_experts, top_k, hidden_size, intermediate_size, dtype)
         want = (
             self.num_experts,
             self.top_k,
             self.hidden_size,
             self.intermediate_size,
-            self.format.dtype,
+            self.format.act_dtype,
         )
+        if fmt is not None and fmt != self.format:
+            got, want = got + (fmt.label,), want + (self.format.label,)
         if got != want:
             raise ValueError(
                 "--enable-expert-cache needs every MoE layer to have the same expert shape "
@@ -422,14 +435,8 @@ class ExpertSlotCache:
             )
         routing = self.route(layer_id, ids)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
-        torch.ops.sgl_kernel.moe_experts_cpu(
-            x,
-            weights,
-            [routing.slot_ids, routing.cpu_ids],
-            [self.slots["w13"], self.host["w13"]],
-            [self.slots["w2"], self.host["w2"]],
-            out,
-            False,
+        run_experts_cpu(
+            x, weights, [routing.slot_ids, routing.cpu_ids], [self.slots, self.host], out
         )
         if scale is not None:
             out.mul_(scale)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ from sglang.srt.layers.moe.expert_cache.control import (
     FillList,
     Routing,
 )
+from sglang.srt.layers.moe.expert_cache.executor_args import submit_experts_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +113,21 @@ def slot_experts(
     weights: torch.Tensor,
     slot_ids: torch.Tensor,
     moe_runner_config,
+    block_shape: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """The device partial sum of the entries served from slots (hits and fills).
 
     Args:
-        slots: the slot banks ``w13`` [S, 2I, H] and ``w2`` [S, H, I].
+        slots: the slot banks ``w13`` [S, 2I, H] and ``w2`` [S, H, I]; block FP8 adds
+            ``w13_scale`` [S, ceil(2I/bn), ceil(H/bk)] and ``w2_scale`` [S, ceil(H/bn),
+            ceil(I/bk)] float32, and the experts run as upstream's ``Fp8MoEMethod`` runs them
+            on Triton (``get_triton_quant_info``: ``use_fp8_w8a8``, per-token-group dynamic
+            activation scales, ``block_shape``).
         x: [T, H] activations (bf16).
         weights: [T, K] float32 router weights.
         slot_ids: [T, K] int32 slot of each entry, -1 for CPU entries and padding.
         moe_runner_config: the layer's ``MoeRunnerConfig``.
+        block_shape: [bn, bk] of one scale of a block-FP8 format (required with scale banks).
 
     Returns:
         [T, H] in ``x.dtype``: ``sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t])`` over the
@@ -134,6 +141,16 @@ def slot_experts(
     num_slots = slots["w13"].shape[0]
     if num_slots == 0:
         return torch.zeros_like(x)
+    quant = {}
+    if "w13_scale" in slots:
+        if block_shape is None:
+            raise ValueError("slot_experts: scale banks without a block_shape")
+        quant = dict(
+            use_fp8_w8a8=True,
+            w1_scale=slots["w13_scale"],
+            w2_scale=slots["w2_scale"],
+            block_shape=list(block_shape),
+        )
     return fused_experts(
         x,
         slots["w13"],
@@ -151,6 +168,7 @@ def slot_experts(
             no_combine=False,
             routed_scaling_factor=None,  # a partial sum: scaled with the CPU part by the caller
         ),
+        **quant,
     )
 
 
@@ -168,6 +186,7 @@ class CudaForward:
         from sgl_kernel_fork.cpu_executor import CpuBranchPlan
 
         self.host = host
+        self.block_shape = host.format.weight_block_size
         self.plan = CpuBranchPlan(stream_branch_tokens(), top_k, host["w13"], host["w2"])
         self.side = torch.cuda.Stream(device=device)
         self.device = device
@@ -217,7 +236,9 @@ class CudaForward:
             # No record_stream: the join below orders every later use of these blocks on main
             # after the side stream's work (and record_stream would pin them for a whole capture).
             fill(routing.fills)
-            device_part = slot_experts(slots, x, weights, routing.slot_ids, moe_runner_config)
+            device_part = slot_experts(
+                slots, x, weights, routing.slot_ids, moe_runner_config, self.block_shape
+            )
             main.wait_stream(self.side)
             return _combine(device_part, cpu_part, scale, x.dtype)
 
@@ -227,11 +248,11 @@ class CudaForward:
         cpu_host = routing.cpu_ids.to("cpu", non_blocking=True)
         torch.cuda.current_stream().synchronize()
         out_host = torch.empty(T, H, dtype=torch.float32)
-        handle = ops.moe_experts_cpu_submit(
-            x_host, w_host, [cpu_host], [self.host["w13"]], [self.host["w2"]], out_host, False
-        )
+        handle = submit_experts_cpu(x_host, w_host, [cpu_host], [self.host], out_host)
         fill(routing.fills)
-        device_part = slot_experts(slots, x, weights, routing.slot_ids, moe_runner_config)
+        device_part = slot_experts(
+            slots, x, weights, routing.slot_ids, moe_runner_config, self.block_shape
+        )
         ops.moe_experts_cpu_wait(handle)
         return _combine(device_part, out_host.to(x.device, non_blocking=True), scale, x.dtype)
 

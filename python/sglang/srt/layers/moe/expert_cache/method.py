@@ -70,6 +70,7 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.device = device
         self.cache: Optional[ExpertSlotCache] = None
         self.moe_runner_config = None
+        self.label, self.weight_block_size = expert_format_of(base_method)
 
     def create_weights(
         self,
@@ -81,11 +82,37 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         with_bias: bool = False,
         **extra_weight_attrs,
     ):
-        from sglang.srt.utils import set_weight_attrs
+        """The base method's ``create_weights``, run on the meta device, says which per-expert
+        tensors (and their loaders and attributes) the layer has; each becomes a view of the
+        layer's rows of a host-pool bank of the same shape and dtype, so the checkpoint loads
+        straight into the pool in the base method's own layout (FP8 bytes and their scales
+        included).
+
+        Raises:
+            ValueError: biases, experts of another shape or format than the first MoE layer's,
+                or per-expert tensors the banks do not hold.
+        """
+        from sglang.srt.layers.moe.expert_cache.banks import (
+            format_for_dtype,
+            format_from_layer,
+        )
+        from sglang.srt.layers.moe.expert_cache.loading import checked_loader
 
         global _CACHE
         if with_bias:
             raise ValueError("--enable-expert-cache does not support MoE layers with biases")
+        with torch.device("meta"):
+            self.base_method.create_weights(
+                layer,
+                num_experts,
+                hidden_size,
+                intermediate_size_per_partition,
+                params_dtype,
+                with_bias=False,
+                **extra_weight_attrs,
+            )
+        found = format_from_layer(layer, num_experts, self.label, self.weight_block_size)
+        fmt = found if found.quantized else format_for_dtype(found.dtype)
         if _CACHE is None:
             from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
 
@@ -98,26 +125,55 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 intermediate_size=intermediate_size_per_partition,
                 dtype=params_dtype,
                 device=self.device,
+                fmt=fmt,
             )
         else:
             _CACHE.check_shape(
-                num_experts, self.top_k, hidden_size, intermediate_size_per_partition, params_dtype
+                num_experts,
+                self.top_k,
+                hidden_size,
+                intermediate_size_per_partition,
+                params_dtype,
+                fmt,
             )
         self.cache = _CACHE
         self.cache.register_layer(self.layer_id)
-        extra_weight_attrs.pop("moe_intermediate_size", None)
         for spec in self.cache.host.specs:
-            param = torch.nn.Parameter(
-                self.cache.host_rows(spec.name, self.layer_id), requires_grad=False
-            )
+            meta = getattr(layer, spec.layer_param)
+            rows = self.cache.host_rows(spec.name, self.layer_id)
+            if spec.name.endswith("_scale"):
+                rows.fill_(float("nan"))  # unloaded scales stay NaN (loading.missing_scales)
+            param = torch.nn.Parameter(rows, requires_grad=False)
+            param.__dict__.update(meta.__dict__)  # weight_loader and the method's attributes
+            if fmt.quantized and hasattr(param, "weight_loader"):
+                param.weight_loader = checked_loader(
+                    meta.weight_loader, spec, self.layer_id, fmt.label
+                )
             layer.register_parameter(spec.layer_param, param)
-            set_weight_attrs(param, extra_weight_attrs)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config):
         self.moe_runner_config = moe_runner_config
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        # Every weight of the model is loaded once the first layer gets here.
+        """Every weight of the model is loaded once the first layer gets here: check this
+        layer's scales, then build the cache (once).
+
+        Raises:
+            ValueError: scales of this layer that the checkpoint did not have, by name.
+        """
+        from sglang.srt.layers.moe.expert_cache.loading import missing_scales
+
+        missing = []
+        for spec in self.cache.host.specs:
+            if spec.name.endswith("_scale"):
+                rows = self.cache.host_rows(spec.name, self.layer_id)
+                missing += missing_scales(rows, spec, self.layer_id)
+        if missing:
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            raise ValueError(
+                f"{self.label} checkpoint without {', '.join(missing[:4])}{more}: every FP8 "
+                "expert weight needs its weight_scale_inv (re-export the checkpoint)"
+            )
         self.cache.finalize()
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
@@ -189,6 +245,34 @@ def shared_experts_fusion_disable_reason() -> Optional[str]:
     )
 
 
+# upstream paged_experts.formats label -> ours, for the formats the host pool holds.
+SUPPORTED_FORMATS = {"unquantized (bf16/fp16)": "bf16", "block-quantized FP8": "fp8-block"}
+
+
+def expert_format_of(base_method, layer=None):
+    """``(label, weight_block_size)`` of the experts ``base_method`` creates, as upstream's
+    paged experts classifies methods (``paged_experts.formats.format_for``): ``("bf16",
+    None)`` or ``("fp8-block", (128, 128))`` (the checkpoint's ``weight_block_size``).
+
+    Raises:
+        ValueError: a format the host pool does not hold; names it and the supported list.
+    """
+    from sglang.srt.layers.moe.paged_experts.formats import format_for
+
+    fmt = format_for(layer, base_method)
+    upstream = fmt.label if fmt is not None else "these"
+    label = SUPPORTED_FORMATS.get(upstream)
+    if label is None:
+        raise ValueError(
+            f"{upstream} ({type(base_method).__name__}) experts are not supported yet: serve "
+            "the bf16 checkpoint or drop --enable-expert-cache (the host pool holds "
+            f"{' and '.join(SUPPORTED_FORMATS.values())} experts)"
+        )
+    if label == "bf16":
+        return label, None
+    return label, tuple(base_method.quant_config.weight_block_size)
+
+
 def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     """The expert-cache method for ``layer`` (a ``FusedMoE``), replacing ``base_method``.
 
@@ -197,7 +281,6 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
             the message lists every problem and what to change.
     """
     from sglang.srt.layers.moe.expert_cache.config import ExpertCacheConfig
-    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
     from sglang.srt.runtime_context import (
         get_device,
         get_exec,
@@ -215,11 +298,14 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
         problems.append(
             "--enable-paged-experts and --enable-expert-cache exclude each other (drop one)"
         )
-    if not isinstance(base_method, UnquantizedFusedMoEMethod):
-        problems.append(
-            f"{type(base_method).__name__} experts are not supported yet: serve the bf16 "
-            "checkpoint (no --quantization) or drop --enable-expert-cache"
-        )
+    try:
+        label, _ = expert_format_of(base_method, layer)
+        if label != "bf16":
+            from sglang.srt.layers.moe.expert_cache.executor_args import check_executor_format
+
+            check_executor_format(label, quantized=True)
+    except (ValueError, RuntimeError) as e:
+        problems.append(str(e))
     cfg = layer.moe_runner_config
     if cfg.activation != "silu" or not cfg.is_gated:
         problems.append(

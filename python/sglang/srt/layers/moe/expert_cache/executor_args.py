@@ -1,0 +1,92 @@
+"""The CPU executor's calls over bank sets, in one place for every expert format.
+
+``torch.ops.sgl_kernel.moe_experts_cpu`` (and ``_submit``, ``CpuBranchPlan``) take, per bank
+set (the slots, the host pool, a resident layer), the ``w13`` and ``w2`` weight banks; a
+block-FP8 format adds its ``w13_scale`` / ``w2_scale`` banks (upstream ``Fp8MoEMethod``'s
+``w13_weight_scale_inv`` [rows, ceil(2I/128), ceil(H/128)] and ``w2_weight_scale_inv``
+[rows, ceil(H/128), ceil(I/128)], float32) as trailing scale lists. Callers pass bank sets;
+this module builds the argument lists, so the cache's CPU path, its CUDA branch, the bandwidth
+probe and the resident layer call the executor the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, Mapping, Sequence
+
+import torch
+
+BankSet = Mapping[str, torch.Tensor]
+
+
+@functools.lru_cache(maxsize=1)
+def executor_takes_scales() -> bool:
+    """Whether this build's ``moe_experts_cpu`` takes scale lists (the block-FP8 kernel)."""
+    import sgl_kernel_fork  # noqa: F401  (registers the ops)
+
+    op = getattr(torch.ops.sgl_kernel, "moe_experts_cpu", None)
+    if op is None:
+        return False
+    return any(a.name == "w13_scale" for a in op.default._schema.arguments)
+
+
+def check_executor_format(label: str, quantized: bool) -> None:
+    """At startup: raise unless the CPU executor runs experts of this format.
+
+    Raises:
+        RuntimeError: a quantized format on a build whose executor has no scale lists; the
+            message names the format and what to do.
+    """
+    if quantized and not executor_takes_scales():
+        raise RuntimeError(
+            f"the CPU executor of this sgl_kernel_fork build has no {label} kernel "
+            "(moe_experts_cpu without scale lists): rebuild sgl-kernel (make setup) from a "
+            "tree with the FP8 executor, or serve the bf16 checkpoint"
+        )
+
+
+def executor_kwargs(bank_sets: Sequence[BankSet]) -> Dict[str, object]:
+    """The executor's weight arguments for ``bank_sets``: ``w13``, ``w2`` (one bank per set)
+    and, when the sets hold scale banks (block FP8), ``format`` (the executor's code of
+    ``fp8``) with ``w13_scale`` / ``w2_scale``."""
+    kw: Dict[str, object] = {n: [b[n] for b in bank_sets] for n in ("w13", "w2")}
+    if "w13_scale" in bank_sets[0]:
+        from sgl_kernel_fork.cpu_executor import format_code
+
+        kw["format"] = format_code("fp8")
+        kw.update({n: [b[n] for b in bank_sets] for n in ("w13_scale", "w2_scale")})
+    return kw
+
+
+def run_experts_cpu(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: Sequence[torch.Tensor],
+    bank_sets: Sequence[BankSet],
+    out: torch.Tensor,
+) -> None:
+    """``out = sum_k weights[t, k] * expert(x[t])`` with expert ``ids[s][t, k]`` of bank set
+    ``s`` (-1: not in that set), one ``moe_experts_cpu`` call.
+
+    Args:
+        x: [T, H] bf16; weights: [T, K] float32; ids: per bank set [T, K] int32.
+        bank_sets: objects indexable by bank name (``ExpertBanks``, dicts of a layer's tensors).
+        out: [T, H] float32, written.
+    """
+    torch.ops.sgl_kernel.moe_experts_cpu(
+        x, weights, list(ids), out=out, accumulate=False, **executor_kwargs(bank_sets)
+    )
+
+
+def submit_experts_cpu(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: Sequence[torch.Tensor],
+    bank_sets: Sequence[BankSet],
+    out: torch.Tensor,
+) -> int:
+    """:func:`run_experts_cpu` handed to the executor's workers; returns the handle for
+    ``moe_experts_cpu_wait``."""
+    return torch.ops.sgl_kernel.moe_experts_cpu_submit(
+        x, weights, list(ids), out=out, accumulate=False, **executor_kwargs(bank_sets)
+    )
