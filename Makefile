@@ -9,7 +9,7 @@ SGLANG_WHEEL = $(firstword $(wildcard .cache/wheels/sglang-0.5.23-*.whl))
 QUEUE   ?= .patch-queue
 NO_WHEEL = $(error no .cache/wheels/sglang-0.5.23-*.whl: run make setup first)
 
-.PHONY: setup serve model test lint format check-patches patches-import patches-export patches-rebase bench-replay gpu-wheels clean
+.PHONY: setup serve model test lint format check-patches patches-import patches-export patches-rebase bench-replay gpu-wheels agents clean
 
 setup:
 	bash scripts/setup.sh
@@ -60,6 +60,10 @@ bench-replay: setup model
 gpu-wheels:
 	python3 scripts/gpu_carry.py download
 	python3 scripts/gpu_carry.py size
+
+# The agent clients (OpenClaw, OpenCode, Claude Code) at pinned versions into .cache/agents.
+agents:
+	bash scripts/install_agents.sh
 
 clean:
 	rm -rf .venv .models .cache .gpu-wheels .gpu-checks sgl-kernel/build

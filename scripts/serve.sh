@@ -6,8 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-.models/qwen3-next-tiny}; PORT=${2:-30000}; shift $(( $# > 2 ? 2 : $# ))
 PY=${PYTHON:-.venv/bin/python}
-ARGS=(--model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
-      --tool-call-parser qwen --reasoning-parser qwen3 --enable-cache-report)
+# The served model id is the model folder's name (clients show it and send it back), not its
+# path; a --served-model-name in the extra arguments comes later and wins.
+ARGS=(--model-path "$MODEL" --served-model-name "$(basename "$MODEL")" --host 127.0.0.1
+      --port "$PORT" --tool-call-parser qwen --reasoning-parser qwen3 --enable-cache-report)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   :
 else
@@ -24,5 +26,6 @@ Starting SGLang on http://127.0.0.1:$PORT  (model: $MODEL)
 Try, once http://127.0.0.1:$PORT/health answers 200 (Ctrl-C stops the server):
   curl -s http://127.0.0.1:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model":"default","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}'
+Agent clients configured for this server: python -m sglang.launch_agent openclaw|opencode|claude
 MSG
 exec "$PY" -m sglang.launch_server "${ARGS[@]}" "$@"

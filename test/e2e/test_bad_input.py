@@ -56,6 +56,7 @@ BAD_JSON = '{"model": "default", "messages": ['
 CTX = str(SMALL_CONTEXT)
 TOO_LONG = "is longer than the model's context length (2048 tokens)"
 assert CTX in TOO_LONG
+ANTH_TOO_LONG = ["prompt is too long: ", f" tokens > {CTX} maximum"]
 
 
 def json_error_at(raw: str) -> str:
@@ -252,12 +253,13 @@ CASES = [
         anth_body(max_tokens=100_000),
         ["max_tokens is too large: 100000. ", f"at most {CTX} completion tokens"],
     ),
-    ("messages-prompt-over-context", MESSAGES, anth_body(messages=LONG_MSG), [TOO_LONG]),
+    # Anthropic's own overflow message, which Claude Code compacts on (patch 0060)
+    ("messages-prompt-over-context", MESSAGES, anth_body(messages=LONG_MSG), ANTH_TOO_LONG),
     (
         "messages-prompt-over-context-stream",
         MESSAGES,
         anth_body(messages=LONG_MSG, stream=True),
-        [TOO_LONG],
+        ANTH_TOO_LONG,
     ),
     # --- native and legacy completions ---
     ("generate-malformed-json", "/generate", '{"text": "hi", ', [json_error_at('{"text": "hi", ')]),
