@@ -36,7 +36,6 @@ expert resolution and the method class of each configuration, with ``torch.save`
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -65,25 +64,6 @@ def _publish(model: str) -> None:
         role="test",
         ranks=SpawnRanks(world_rank=0),
     )
-
-
-def _start_group() -> None:
-    """A world of one process (gloo), and upstream's model-parallel groups over it."""
-    from sglang.srt.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    for k, v in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    initialize_model_parallel(backend="gloo")
 
 
 def _load(block, state: dict, prefix: str) -> None:
@@ -189,7 +169,9 @@ def main() -> None:
     xs = _inputs(cfg.hidden_size)
     result = {"shared": {}, "method": {}}
     _publish(model)
-    _start_group()
+    from sglang.srt.layers.moe.expert_cache.pack import start_single_process_group
+
+    start_single_process_group()
     for name, flags in CONFIGS.items():
         reset_expert_slot_cache()
         # The server flags of this configuration (as `--enable-expert-cache ...` would set

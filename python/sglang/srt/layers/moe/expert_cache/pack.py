@@ -38,7 +38,7 @@ from sglang.srt.layers.moe.expert_cache import pack_io  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-def _start_single_process_group() -> None:
+def start_single_process_group() -> None:
     """A world of one process (gloo) and upstream's model-parallel groups over it (once)."""
     import torch.distributed
 
@@ -102,7 +102,7 @@ def load_pool(model_path: str, dtype: str = "auto", use_pack: bool = False):
     if not torch.distributed.is_initialized():  # once per process (later loads reuse it)
         reset_context()
         publish(args, role="test", ranks=SpawnRanks(world_rank=0))
-        _start_single_process_group()
+        start_single_process_group()
     reset_expert_slot_cache()
     model_config = ModelConfig.from_server_args(args)
     model = get_model(
