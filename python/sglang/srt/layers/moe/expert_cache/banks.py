@@ -165,13 +165,30 @@ def format_for_dtype(dtype: torch.dtype) -> ExpertFormat:
     return fmt
 
 
+# Host banks start at a page boundary: a packed pool is read into them with O_DIRECT, which
+# needs buffer addresses aligned like the file offsets (pack_format.ALIGN).
+HOST_ALIGN = 4096
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor; on the CPU its data starts at a ``HOST_ALIGN`` boundary
+    (a view into an untouched byte buffer ``HOST_ALIGN`` bytes larger)."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HOST_ALIGN
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
+
+
 class ExpertBanks:
     """``rows`` experts in every bank of ``fmt``, on ``device``.
 
-    Host banks are allocated with ``torch.empty``: pages are touched only when a row is
-    written, so rows of dense layers (never loaded) cost no memory. Pinning, when a GPU
-    copies from them, happens after the rows are filled (:meth:`pin`), as FreeToken §3.3
-    prescribes: pinning empty buffers would fault in and zero every page first.
+    Host banks are allocated uninitialized, each at a page boundary (``O_DIRECT`` reads of a
+    packed pool land in them, :mod:`pack_io`): pages are touched only when a row is written,
+    so rows of dense layers (never loaded) cost no memory. Pinning, when a GPU copies from them,
+    happens after the rows are filled (:meth:`pin`), as FreeToken §3.3 prescribes: pinning
+    empty buffers would fault in and zero every page first.
 
     ``reserve=True`` (the slot banks of a resizable cache) on the CPU maps each bank as
     anonymous memory with ``MAP_NORESERVE``: address space for all ``rows`` is reserved, a
@@ -202,9 +219,7 @@ class ExpertBanks:
             if reserve and self.device.type == "cpu":
                 self.tensors[s.name] = self._reserved(s, rows)
             else:
-                self.tensors[s.name] = torch.empty(
-                    (rows, *s.row_shape), dtype=s.dtype, device=self.device
-                )
+                self.tensors[s.name] = _empty((rows, *s.row_shape), s.dtype, self.device)
         self._registered = False
 
     def _reserved(self, spec: BankSpec, rows: int) -> torch.Tensor:

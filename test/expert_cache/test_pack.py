@@ -1,0 +1,244 @@
+"""The packed expert pool (``expert_cache/pack*.py``): format, reader, refusals, atomicity.
+
+Format level (in this process): a pool written and read back is bit-identical, through
+``O_DIRECT`` and through buffered reads, for a three-bank format as for bf16 (bank-generic),
+and with rows whose slabs do not end on a 4096-byte boundary; a truncated, bit-flipped (data
+or header), other-version or stale (config or weight file changed) pack is refused with a
+message that says what is wrong; a packer killed with SIGKILL at random points never leaves a
+file the server would load.
+
+Model level (``pack_pool_check.py``, one fresh process): the tiny ``qwen3_moe`` model packed by
+the packer, then loaded as a server loads it, from the pack (logged, the experts' checkpoint
+tensors skipped) and, after a bit flip in the pack's data, from the checkpoint (refusal
+logged): every bank row and every other parameter is bit-identical to the checkpoint load.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang.srt.layers.moe.expert_cache import pack_format as fmt
+from sglang.srt.layers.moe.expert_cache import pack_io
+from sglang.srt.layers.moe.expert_cache.banks import BF16, BankSpec, ExpertBanks, ExpertFormat
+
+SCRIPT = Path(__file__).with_name("pack_pool_check.py")
+L, E = 3, 8  # layers, experts per layer
+MOE_LAYERS = [1, 2]  # layer 0 dense: its rows are not packed
+
+
+@dataclass(frozen=True)
+class ScaledFormat(ExpertFormat):
+    """A stand-in for a quantized format: bf16 weights plus a per-row float32 scale bank
+    whose slabs are not multiples of 4096 bytes."""
+
+    def banks(self, hidden_size, intermediate_size):
+        return super().banks(hidden_size, intermediate_size) + (
+            BankSpec("w13_scale", "w13_weight_scale", (2 * intermediate_size, 3), torch.float32),
+        )
+
+
+def _pool(fmt_=BF16, h=64, i=32, seed=0) -> ExpertBanks:
+    g = torch.Generator().manual_seed(seed)
+    b = ExpertBanks(fmt_, h, i, L * E, "cpu")
+    for t in b.tensors.values():
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return b
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "x"}')
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(4)}, str(d / "model.safetensors"))
+    return d
+
+
+def _write(tmp_path, pool, name="p.pack"):
+    d = tmp_path / "model" if (tmp_path / "model").exists() else _model_dir(tmp_path)
+    path = tmp_path / name
+    pack_io.write_pack(path, pool, E, MOE_LAYERS, fmt.model_identity(d), progress=False)
+    return path, d
+
+
+def _moe_rows(pool, name):
+    return torch.cat([pool[name][l * E : (l + 1) * E] for l in MOE_LAYERS])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("fmt_", [BF16, ScaledFormat("scaled", torch.bfloat16)])
+def test_round_trip_bit_identical(tmp_path, monkeypatch, direct, fmt_):
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 3 * 4096)  # several chunks per slab
+    src = _pool(fmt_)
+    path, d = _write(tmp_path, src)
+    header = fmt.read_header(path)
+    pool = fmt.pool_description(src, E, MOE_LAYERS)
+    assert fmt.check_header(header, fmt.model_identity(d), pool) == []
+    assert [b["name"] for b in header["pool"]["banks"]] == [s.name for s in src.specs]
+    dst = ExpertBanks(fmt_, 64, 32, L * E, "cpu")
+    for t in dst.tensors.values():
+        assert t.data_ptr() % 4096 == 0
+        t.view(torch.uint8).fill_(0xAB)
+    stats = pack_io.read_pack(path, dst, header["chunks"], threads=3, direct=direct, progress=False)
+    for s in src.specs:
+        assert torch.equal(
+            _moe_rows(dst, s.name).view(torch.uint8), _moe_rows(src, s.name).view(torch.uint8)
+        )
+        assert (dst[s.name][:E].view(torch.uint8) == 0xAB).all()  # the dense layer untouched
+    assert stats.nbytes == sum(c.nbytes for c in header["chunks"])
+    if not direct:
+        assert stats.direct_bytes == 0
+    elif pack_io._open_direct(path) is not None:  # the file system takes O_DIRECT
+        assert stats.direct_bytes > 0
+    for c in header["chunks"]:
+        assert c.offset % fmt.ALIGN == 0
+
+
+def _refusal(path, pool, d) -> str:
+    try:
+        header = fmt.read_header(path)
+        problems = fmt.check_header(
+            header, fmt.model_identity(d), fmt.pool_description(pool, E, MOE_LAYERS)
+        )
+        if problems:
+            return "; ".join(problems)
+        dst = ExpertBanks(pool.format, pool.hidden_size, pool.intermediate_size, pool.rows, "cpu")
+        pack_io.read_pack(path, dst, header["chunks"], progress=False)
+    except fmt.PackRefused as e:
+        return str(e)
+    return ""
+
+
+def test_bad_packs_are_refused(tmp_path):
+    src = _pool()
+    path, d = _write(tmp_path, src)
+    assert _refusal(path, src, d) == ""
+    raw = path.read_bytes()
+
+    def variant(data: bytes) -> str:
+        path.write_bytes(data)
+        return _refusal(path, src, d)
+
+    assert "truncated" in variant(raw[: len(raw) - 4096])
+    assert "truncated" in variant(raw[:20])
+    flip = bytearray(raw)
+    flip[-100] ^= 0x01  # one bit of the last chunk's data
+    assert "fails its checksum" in variant(bytes(flip))
+    flip = bytearray(raw)
+    flip[fmt.PREFIX.size + 10] ^= 0x20  # one bit of the header
+    assert "header is truncated or corrupt" in variant(bytes(flip))
+    other = bytearray(raw)
+    other[16:20] = struct.pack("<I", fmt.VERSION + 1)
+    assert f"pack version {fmt.VERSION + 1}" in variant(bytes(other))
+    assert "not an expert-pool pack" in variant(b"\0" * len(raw))
+    path.write_bytes(raw)
+    # stale: the model changed after packing
+    (d / "config.json").write_text('{"model_type": "y"}')
+    assert "config.json changed" in _refusal(path, src, d)
+    (d / "config.json").write_text('{"model_type": "x"}')
+    os.utime(d / "model.safetensors", ns=(1, 1))
+    assert "model.safetensors changed since the pack was made (mtime_ns)" in _refusal(path, src, d)
+    # another pool shape (e.g. --dtype float16, or another expert format)
+    msg = _refusal(path, _pool(BF16, h=32), d)
+    assert "pool hidden_size is 64 in the pack, the server needs 32" in msg
+
+
+def test_killed_packer_leaves_nothing_loadable(tmp_path):
+    """SIGKILL a packer (a forked child writing a 24 MB pool) at random points of its write;
+    afterwards the pack path either does not exist or holds a complete, valid pack."""
+    src = _pool(h=512, i=256)
+    d = _model_dir(tmp_path)
+    identity = fmt.model_identity(d)
+    path = tmp_path / "k.pack"
+    t0 = time.perf_counter()
+    pack_io.write_pack(tmp_path / "timing.pack", src, E, MOE_LAYERS, identity, progress=False)
+    full = time.perf_counter() - t0
+    rng = random.Random(0)
+    outcomes = []
+    for _ in range(8):
+        path.unlink(missing_ok=True)
+        delay = rng.uniform(0, 1.5 * full)
+        pid = os.fork()
+        if pid == 0:  # the packer
+            try:
+                pack_io.write_pack(path, src, E, MOE_LAYERS, identity, progress=False)
+            finally:
+                os._exit(0)
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        if path.exists():
+            assert _refusal(path, src, d) == "", "a killed packer left an invalid pack"
+            outcomes.append("complete")
+        else:
+            outcomes.append("absent")
+    assert "absent" in outcomes, f"no kill landed inside a write ({outcomes}, {full:.3f} s)"
+    # the next pack removes the temporary files killed packers left
+    pack_io.write_pack(path, src, E, MOE_LAYERS, identity, progress=False)
+    assert not list(tmp_path.glob(".k.pack.tmp.*"))
+    assert _refusal(path, src, d) == ""
+
+
+def test_routed_expert_names():
+    from sglang.srt.layers.moe.expert_cache.pack_load import is_routed_expert
+
+    assert is_routed_expert("model.layers.3.mlp.experts.17.gate_proj.weight", {3})
+    assert is_routed_expert("model.layers.3.mlp.experts.0.down_proj.weight_scale_inv", {3})
+    assert not is_routed_expert("model.layers.3.mlp.experts.17.gate_proj.weight", {2})
+    assert not is_routed_expert("model.layers.3.mlp.shared_expert.gate_proj.weight", {3})
+    assert not is_routed_expert("model.layers.3.mlp.shared_experts.up_proj.weight", {3})
+    assert not is_routed_expert("model.layers.3.mlp.gate.weight", {3})
+
+
+@pytest.fixture(scope="module")
+def model_results(tmp_path_factory):
+    from sglang.test.tiny_models import build
+
+    tmp = tmp_path_factory.mktemp("pack_model")
+    model = build("qwen3_moe", tmp / "qwen3-moe-tiny")
+    out = tmp / "pools.pt"
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", TORCHDYNAMO_DISABLE="1")
+    env.pop(fmt.PACK_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(model), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out), proc.stderr
+
+
+def test_pool_from_pack_bit_identical_to_checkpoint(model_results):
+    res, log = model_results
+    assert "loaded the host pool from the expert pack" in log
+    assert "768 expert tensors of the checkpoint skipped" in log  # 4 layers x 64 experts x 3
+    ckpt, packed = res["checkpoint"], res["pack"]
+    assert set(ckpt["banks"]) == {"w13", "w2"}
+    for name in ckpt["banks"]:
+        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
+        assert ckpt["banks"][name].any()
+    assert ckpt["params"].keys() == packed["params"].keys()
+    for n, p in ckpt["params"].items():
+        assert torch.equal(p, packed["params"][n]), n
+
+
+def test_corrupt_pack_falls_back_to_checkpoint(model_results):
+    res, log = model_results
+    assert "expert pack refused while reading" in log and "fails its checksum" in log
+    assert "repack with `python -m sglang.srt.layers.moe.expert_cache.pack --model-path" in log
+    for name, rows in res["checkpoint"]["banks"].items():
+        assert torch.equal(rows, res["corrupt"]["banks"][name]), name
