@@ -224,7 +224,6 @@ class CacheSim:
         """Emit mode around the pass (patches 0045-0046): plan after prepare_for_extend, the
         layers take the plan and stamp each emitted slot with its position (no model), the tree
         takes the emitted states before the results are processed."""
-        req.extend_input_len = n
         batch = SimpleNamespace(reqs=[req])
         self.cache.plan_state_emission(batch)
         if self.pass_takes_plan:

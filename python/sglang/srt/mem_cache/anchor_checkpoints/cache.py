@@ -177,7 +177,9 @@ class AnchorRadixCache(UnifiedRadixCache):
         for i, req in enumerate(batch.reqs):
             if req.skip_radix_cache_insert or not req.kv.holds_mamba:
                 continue
-            want = self.anchor_planner.emit_positions(req, req.prefix_len, req.extend_input_len)
+            want = self.anchor_planner.emit_positions(
+                req, req.prefix_len, req.extend_end - req.prefix_len
+            )
             slots = []
             for _ in want:
                 slot = self._alloc_state_slot()
@@ -195,7 +197,7 @@ class AnchorRadixCache(UnifiedRadixCache):
             return
         plan = StateEmission(
             tuple(int(r.kv.req_pool_idx) for r in batch.reqs),
-            tuple(int(r.extend_input_len) for r in batch.reqs),
+            tuple(int(r.extend_end - r.prefix_len) for r in batch.reqs),
             rows,
         )
         self._emission = (plan, held)
