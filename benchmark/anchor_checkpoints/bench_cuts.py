@@ -1,31 +1,33 @@
 #!/usr/bin/env python
-"""Cost of anchor cuts: cold prefill of a prompt full of markers vs the same-length prompt
-without markers, on one server with anchor checkpoints on (default flags of ``make serve``).
+"""Cost of anchor checkpoints in a cold prefill: a prompt full of markers on three servers, one
+after the other in the same run: anchors off (upstream), cut mode (prefill chunks end at
+anchors) and emit mode (``--anchor-checkpoint-mode emit``: the states are written inside the
+ordinary passes).
 
-The marker prompt is chat-shaped (``<|im_start|>``/``<|im_end|>`` turns with ``<think>`` and
-``<tool_call>`` blocks every ``--block`` tokens); the plain prompt has the same length and no
-marker, so the planner cuts only the first. Each is prefilled cold (cache flushed) ``--reps``
-times, alternating; one generated token, so time to first token is the prefill time.
+The prompt is chat-shaped (``<|im_start|>``/``<|im_end|>`` turns with ``<think>`` and
+``<tool_call>`` blocks every ``--block`` tokens). On each server it is prefilled cold (cache
+flushed) ``--reps`` times after a warm-up; one generated token, so time to first token is the
+prefill time. The best TTFT of each server is reported (the least disturbed by other work), the
+median beside it, and the load average at each server's start.
 
-``cuts`` is what the server counted: the growth of its ``sglang:anchor_checkpoints_saved_total``
-counter (``--enable-metrics``) over each cold prefill, less any decode saves (one generated
-token: none), i.e. the prefill chunks that ended at an anchor. ``predicted_cuts`` is the
-planner's own prediction for the marker prompt, replayed here over 4096-token chunks (the CPU
-server's chunk size); the two differ if the server chunks differently. Prints one line per run
-and last:
+``passes`` is what the server counted: the growth of ``sglang:anchor_prefill_passes_total``
+(``--enable-metrics``) over a cold prefill; with anchors off there is no anchor cache to count,
+so upstream's count is printed, ``ceil(tokens / 4096)`` (the CPU server's chunk size).
+``saved`` is the growth of ``sglang:anchor_checkpoints_saved_total`` (anchor states stored).
+Prints one line per run and last:
 
-    anchor_cuts tokens=L cuts=C predicted_cuts=P plain_cuts=0 ttft_plain=.. ttft_cuts=.. prefill_tok_s_plain=.. prefill_tok_s_cuts=.. ms_per_cut=..
+    ttft_ratio=EMIT/OFF ttft_ratio_cut=CUT/OFF tokens=L passes_off=.. passes_cut=.. passes_emit=.. saved_cut=.. saved_emit=.. ttft_off=.. ttft_cut=.. ttft_emit=.. ...
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import requests
@@ -69,25 +71,25 @@ def prompts(tok, tokens: int, block: int) -> tuple[list[int], list[int]]:
     return marked, body(tokens)
 
 
-def anchor_saves(url: str) -> float:
-    """The server's anchor checkpoints saved at prefill chunk ends so far (counted by the
-    scheduler, ``--enable-metrics``): ``saved_total`` less ``saved_decode_total``."""
+def counter(url: str, name: str) -> float:
+    """A counter of the server's ``/metrics`` (0 before its first increment)."""
     text = requests.get(url + "/metrics", timeout=60).text
-    got = {}
-    for name in ("saved", "saved_decode"):
-        m = re.search(
-            rf"^sglang:anchor_checkpoints_{name}_total(?:\{{[^}}]*\}})? (\S+)$", text, re.M
-        )
-        got[name] = float(m.group(1)) if m else 0.0  # a counter appears at its first increment
-    return got["saved"] - got["saved_decode"]
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
-def ttft(url: str, ids: list[int]) -> tuple[float, int]:
-    """(time to first token of a cold prefill of ``ids``, anchor cuts the server counted)."""
+COUNTERS = {
+    "passes": "sglang:anchor_prefill_passes_total",
+    "saved": "sglang:anchor_checkpoints_saved_total",
+}
+
+
+def ttft(url: str, ids: list[int]) -> tuple[float, dict[str, int]]:
+    """(time to first token of a cold prefill of ``ids``, growth of ``COUNTERS`` over it)."""
     from sglang.test.agent_replay import flush_cache
 
     flush_cache(url)  # retried while the server finishes the previous request
-    before = anchor_saves(url)
+    before = {k: counter(url, n) for k, n in COUNTERS.items()}
     t0 = time.perf_counter()
     r = requests.post(
         url + "/generate",
@@ -97,7 +99,14 @@ def ttft(url: str, ids: list[int]) -> tuple[float, int]:
     r.raise_for_status()
     took = time.perf_counter() - t0
     assert r.json()["meta_info"]["cached_tokens"] == 0
-    return took, round(anchor_saves(url) - before)
+    return took, {k: round(counter(url, n) - before[k]) for k, n in COUNTERS.items()}
+
+
+MODES = {
+    "off": ["--disable-anchor-checkpoints"],
+    "cut": ["--anchor-checkpoint-mode", "cut"],
+    "emit": ["--anchor-checkpoint-mode", "emit"],
+}
 
 
 def main(argv=None) -> int:
@@ -106,7 +115,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--block", type=int, default=96, help="tokens per marker-delimited turn")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--min-gap", type=int, default=64, help="--anchor-checkpoint-min-gap")
     ap.add_argument("--server-args", default="")
     args = ap.parse_args(argv)
@@ -114,53 +123,53 @@ def main(argv=None) -> int:
     import server  # test/e2e/server.py
     from transformers import AutoTokenizer
 
-    from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
-    from sglang.srt.mem_cache.anchor_checkpoints.planner import AnchorPlanner
-
     model = server.ensure_model("qwen3_next")
     tok = AutoTokenizer.from_pretrained(model)
-    marked, plain = prompts(tok, args.tokens, args.block)
-    planner = AnchorPlanner(AnchorScanner.from_tokenizer(tok), args.min_gap)
-    req = types.SimpleNamespace(full_untruncated_fill_ids=marked, multimodal_inputs=None)
-    predicted, pos = 0, 0
-    while pos < len(marked):  # the server's chunks: 4096 on CPU
-        n = min(4096, len(marked) - pos)
-        nxt = planner.next_cut(req, pos, n)
-        predicted += nxt is not None
-        pos = nxt if nxt is not None else pos + n
-
-    srv = server.start_server(
-        model,
-        shlex.split(args.server_args)
-        + ["--anchor-checkpoint-min-gap", str(args.min_gap), "--enable-metrics"],
-    )
-    try:
-        ttft(srv.url, plain[:200])  # warm up
-        times = {"plain": [], "cuts": []}
-        counted = {"plain": [], "cuts": []}
-        for rep in range(args.reps):
-            for name, ids in (("plain", plain), ("cuts", marked)):
-                t, c = ttft(srv.url, ids)
-                times[name].append(t)
-                counted[name].append(c)
+    marked, _ = prompts(tok, args.tokens, args.block)
+    times, counts, loads = {}, {}, {}
+    for mode, flags in MODES.items():
+        loads[mode] = os.getloadavg()[0]
+        srv = server.start_server(
+            model,
+            shlex.split(args.server_args)
+            + flags
+            + ["--anchor-checkpoint-min-gap", str(args.min_gap), "--enable-metrics"],
+        )
+        try:
+            ttft(srv.url, marked[:200])  # warm up
+            times[mode], counts[mode] = [], []
+            for rep in range(args.reps):
+                t, c = ttft(srv.url, marked)
+                times[mode].append(t)
+                counts[mode].append(c)
                 print(
-                    f"rep={rep} prompt={name} tokens={len(ids)} ttft={t:.2f}s cuts={c}", flush=True
+                    f"mode={mode} rep={rep} tokens={len(marked)} ttft={t:.3f}s {c} "
+                    f"load1={os.getloadavg()[0]:.2f}",
+                    flush=True,
                 )
-    finally:
-        srv.stop()
-    # Cold prefills of one prompt are cut alike; a rep that differs is reported, not hidden.
-    cuts, plain_cuts = statistics.median(counted["cuts"]), statistics.median(counted["plain"])
-    if len(set(counted["cuts"])) > 1 or len(set(counted["plain"])) > 1:
-        print(f"# counted cuts differ between reps: {counted}", flush=True)
-    # The best run of each is the least disturbed by other work on the machine.
-    plain_t, cut_t = min(times["plain"]), min(times["cuts"])
-    med_p, med_c = statistics.median(times["plain"]), statistics.median(times["cuts"])
+        finally:
+            srv.stop()
+    upstream_passes = -(-len(marked) // 4096)
+    got = {}
+    for mode in MODES:
+        for k in COUNTERS:
+            vals = {c[k] for c in counts[mode]}
+            if len(vals) > 1:  # cold prefills of one prompt behave alike; a differing rep is shown
+                print(f"# {mode}: {k} differ between reps: {[c[k] for c in counts[mode]]}")
+            got[f"{k}_{mode}"] = statistics.median(c[k] for c in counts[mode])
+    got["passes_off"] = upstream_passes  # no anchor cache to count them: upstream's chunking
+    best = {m: min(t) for m, t in times.items()}
+    med = {m: statistics.median(t) for m, t in times.items()}
     print(
-        f"anchor_cuts tokens={args.tokens} cuts={cuts:g} predicted_cuts={predicted} "
-        f"plain_cuts={plain_cuts:g} ttft_plain={plain_t:.2f}s ttft_cuts={cut_t:.2f}s "
-        f"prefill_tok_s_plain={args.tokens / plain_t:.0f} prefill_tok_s_cuts={args.tokens / cut_t:.0f} "
-        f"ms_per_cut={(cut_t - plain_t) / cuts * 1000 if cuts else float('nan'):.0f} "
-        f"median_ttft_plain={med_p:.2f}s median_ttft_cuts={med_c:.2f}s"
+        f"ttft_ratio={best['emit'] / best['off']:.3f} ttft_ratio_cut={best['cut'] / best['off']:.3f} "
+        f"tokens={len(marked)} "
+        + " ".join(f"{k}={v:g}" for k, v in got.items() if not k.startswith("saved_off"))
+        + " "
+        + " ".join(f"ttft_{m}={best[m]:.3f}s" for m in MODES)
+        + " "
+        + " ".join(f"median_ttft_{m}={med[m]:.3f}s" for m in MODES)
+        + " "
+        + " ".join(f"load1_{m}={loads[m]:.2f}" for m in MODES)
     )
     return 0
 

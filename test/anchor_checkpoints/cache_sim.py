@@ -29,6 +29,7 @@ from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.anchor_checkpoints import emit as emission
 from sglang.srt.mem_cache.anchor_checkpoints.cache import AnchorRadixCache
 from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -36,6 +37,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -64,6 +66,7 @@ class CacheSim:
         min_gap: int = 3,
         max_states: int = -1,
         context: int = 128,
+        emit: bool = False,
     ) -> None:
         sa = ServerArgs(model_path="dummy", page_size=1)
         sa._mamba_cache_chunk_size = 64  # no HF config to read it from
@@ -119,7 +122,10 @@ class CacheSim:
             enable_mamba_extra_buffer=False,
         )
         self.state_slots, self.kv_slots, self.rows = state_slots, kv_slots, rows
-        self.cache = AnchorRadixCache(params, toy_scanner(), min_gap=min_gap, max_states=max_states)
+        self.cache = AnchorRadixCache(
+            params, toy_scanner(), min_gap=min_gap, max_states=max_states, emit=emit
+        )
+        self.pass_takes_plan = True  # False: a pass whose layers never take the emission plan
         self.planner = self.cache.anchor_planner
         self.running: list[Req] = []
         self._rid = itertools.count()
@@ -207,10 +213,37 @@ class CacheSim:
         req.extend_end = start + n
         self.pool.write((req.kv.req_pool_idx, slice(start, start + n)), kv.to(torch.int32))
         req.kv.kv_committed_len = req.kv.kv_allocated_len = start + n
+        if self.cache.anchor_planner.emit:
+            self._forward_emitting(req, start, n)
         if req.extend_end == len(req.origin_input_ids):
             req.output_ids.append(5)  # the first token, sampled from the last chunk
         checkpoint_kv_cache(req, self.cache)
         return start, start + n
+
+    def _forward_emitting(self, req: Req, start: int, n: int) -> None:
+        """Emit mode around the pass (patches 0045-0046): plan after prepare_for_extend, the
+        layers take the plan and stamp each emitted slot with its position (no model), the tree
+        takes the emitted states before the results are processed."""
+        batch = SimpleNamespace(reqs=[req])
+        self.cache.plan_state_emission(batch)
+        if self.pass_takes_plan:
+            forward_batch = SimpleNamespace(
+                forward_mode=ForwardMode.EXTEND,
+                extend_seq_lens_cpu=[n],
+                req_pool_indices=torch.tensor([req.kv.req_pool_idx]),
+            )
+            plan = emission.take(forward_batch)
+            for row in plan.rows if plan is not None else ():
+                for pos, slot in zip(row.positions, row.slots):
+                    self.stamp(slot, pos)
+        self.cache.insert_emitted_states(batch)
+
+    def stamp(self, slot: int, value: float) -> None:
+        for layer in (0, 1, 2):
+            self.pool.mamba2_layer_cache(layer).temporal[slot] = value
+
+    def stamp_of(self, slot: int) -> float:
+        return float(self.pool.mamba2_layer_cache(0).temporal[slot].view(-1)[0])
 
     def decode(self, req: Req, token: int) -> bool:
         kv = self._alloc_kv(1)

@@ -273,23 +273,45 @@ def _generate(url: str, ids: list[int], n: int, script: list[int] | None = None)
 
 
 def _run_cases(url: str, cases: dict) -> dict[str, dict]:
+    """Per case: the second request's cached tokens, greedy tokens and logprobs, and both
+    requests' prefill passes with their upstream count (``passes``: [(counted, upstream)],
+    counted by the anchor cache's ``sglang:anchor_prefill_passes_total``; None with anchors off)."""
     out = {}
     for name, case in cases.items():
         flush_cache(url)  # retried while the server is busy
+        passes = []
         if len(case) == 3:  # decode: the first request generates the script
             first, script, second = case
-            meta = _generate(url, first, len(script), script)
+            meta = _counting(url, passes, first, len(script), script)
             assert [t[1] for t in meta["output_token_logprobs"]] == script
         else:
             first, second = case
-            _generate(url, first, 2)
-        meta = _generate(url, second, NEW_TOKENS)
+            _counting(url, passes, first, 2)
+        meta = _counting(url, passes, second, NEW_TOKENS)
         out[name] = {
             "cached": meta["cached_tokens"],
             "tokens": [t[1] for t in meta["output_token_logprobs"]],
             "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+            "passes": passes,
         }
     return out
+
+
+def _prefill_passes(url: str) -> float | None:
+    text = requests.get(url + "/metrics", timeout=60).text
+    m = re.search(r"^sglang:anchor_prefill_passes_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _counting(url: str, passes: list, ids: list[int], n: int, script=None) -> dict:
+    """``_generate`` alone on the server, appending (prefill passes it took, upstream's count:
+    one per ``CHUNK`` tokens prefilled) to ``passes``."""
+    before = _prefill_passes(url)
+    meta = _generate(url, ids, n, script)
+    after = _prefill_passes(url)
+    upstream = -(-(len(ids) - meta["cached_tokens"]) // CHUNK)
+    passes.append((None if after is None else round(after - (before or 0)), upstream))
+    return meta
 
 
 def _anchor_metrics(url: str) -> dict[str, float]:
@@ -310,8 +332,14 @@ def runs():
     model = ensure_model("qwen3_next")
     tok = AutoTokenizer.from_pretrained(model)
     cases = {**_chat_cases(tok), **_token_cases(tok), **_decode_cases(tok)}
-    results, metrics = {}, None
-    for mode, extra in (("off", ["--disable-anchor-checkpoints"]), ("on", [])):
+    results, metrics, emit_metrics = {}, None, None
+    cases["resent_identical_prompt"] = (cases["openclaw_trailing_message"][1],) * 2
+    modes = (
+        ("off", ["--disable-anchor-checkpoints"]),
+        ("on", []),
+        ("emit", ["--anchor-checkpoint-mode", "emit"]),
+    )
+    for mode, extra in modes:
         srv = start_server(
             model,
             ["--dtype", "float32", "--enable-metrics", "--enable-custom-logit-processor", *extra],
@@ -323,15 +351,21 @@ def runs():
             results[mode] = _run_cases(srv.url, cases)
             if mode == "on":
                 metrics = _anchor_metrics(srv.url)
+            if mode == "emit":
+                emit_metrics = _anchor_metrics(srv.url)
         finally:
             srv.stop()
     for name in cases:  # shown with -s: what each edit cost with anchors off and on
         print(
             f"{name}: prompt={len(cases[name][-1])} edit_at={_lcp(*_pair(cases[name]))} "
-            f"cached_off={results['off'][name]['cached']} cached_on={results['on'][name]['cached']}"
+            + " ".join(f"cached_{m}={results[m][name]['cached']}" for m, _ in modes)
+            + " "
+            + " ".join(f"passes_{m}={results[m][name]['passes']}" for m, _ in modes[1:])
         )
-    print(f"anchor metrics: {metrics}")
-    return types.SimpleNamespace(cases=cases, results=results, metrics=metrics, tok=tok)
+    print(f"anchor metrics: cut {metrics} emit {emit_metrics}")
+    return types.SimpleNamespace(
+        cases=cases, results=results, metrics=metrics, emit_metrics=emit_metrics, tok=tok
+    )
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -352,18 +386,21 @@ def _pair(case: tuple) -> tuple[list[int], list[int]]:
     return case
 
 
-def _expected_restore(tok, case: tuple) -> int:
+def _expected_restore(tok, case: tuple, *, emit: bool = False) -> int:
     """Where the anchors-on server must restore the second prompt from: the deepest state it
-    stored while serving the first request (chunk ends, cut at anchors by the planner; the
-    prompt end; for a decode case, the decode steps that ended at an anchor and the request
-    end) that the second prompt still shares, short of its last token."""
-    planner = AnchorPlanner(AnchorScanner.from_tokenizer(tok), MIN_GAP)
+    stored while serving the first request (chunk ends, cut at anchors by the planner, or with
+    ``emit`` every ``CHUNK`` tokens and the states emitted inside each pass; the prompt end; for
+    a decode case, the decode steps that ended at an anchor and the request end) that the second
+    prompt still shares, short of its last token."""
+    planner = AnchorPlanner(AnchorScanner.from_tokenizer(tok), MIN_GAP, emit=emit)
     first = case[0]
     req = types.SimpleNamespace(full_untruncated_fill_ids=first, multimodal_inputs=None)
     states, pos = {len(first)}, 0
     while pos < len(first):
         n = min(CHUNK, len(first) - pos)
-        cut = planner.next_cut(req, pos, n)
+        if emit:
+            states.update(planner.emit_positions(req, pos, n))
+        cut = planner.next_cut(req, pos, n) if not emit else None
         pos = cut if cut is not None else pos + n
         states.add(pos)
     if len(case) == 3:  # decode: step k feeds output k-1; the last step finishes the request
@@ -442,3 +479,40 @@ def test_anchor_metrics(runs):
     assert m["restored"] >= restored, (m, restored)
     decode_cases = [c for c in CASE_NAMES if c.startswith("decode_")]
     assert m["saved_decode"] and m["saved_decode"] >= len(decode_cases), m
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_emit_mode_same_output_as_anchors_off(runs, case):
+    """--anchor-checkpoint-mode emit: the states written inside the pass give the same greedy
+    tokens as upstream, logprobs within the parity tolerance."""
+    off, emit = runs.results["off"][case], runs.results["emit"][case]
+    assert emit["tokens"] == off["tokens"], (emit["tokens"], off["tokens"])
+    err = max(abs(a - b) for a, b in zip(emit["logprobs"], off["logprobs"]))
+    assert err < LOGPROB_ATOL, err
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_emit_mode_restores_near_the_anchor_without_extra_passes(runs, case):
+    first, second = _pair(runs.cases[case])
+    emit, off = runs.results["emit"][case], runs.results["off"][case]
+    assert emit["cached"] == _expected_restore(runs.tok, runs.cases[case], emit=True)
+    edit = _lcp(first, second)
+    # the cut mode's bound, plus the rounding down to a 64-token kernel-chunk boundary
+    gap = max(MIN_GAP, (len(first) - emit["cached"]) // SPACING_DIVISOR) + 64
+    if case.startswith("decode_"):
+        gap = MIN_GAP
+    assert edit - gap < emit["cached"] <= edit, (edit, gap, emit["cached"])
+    assert emit["cached"] >= off["cached"], (emit["cached"], off["cached"])
+    # every request took exactly upstream's prefill passes (cut mode: more, where it cut)
+    assert all(got == upstream for got, upstream in emit["passes"]), emit["passes"]
+
+
+def test_emit_mode_resent_prompt_reuses_all_but_64_tokens(runs):
+    prompt = runs.cases["resent_identical_prompt"][0]
+    emit, off = (
+        runs.results["emit"]["resent_identical_prompt"],
+        runs.results["off"]["resent_identical_prompt"],
+    )
+    assert emit["cached"] >= len(prompt) - 64, (emit["cached"], len(prompt))
+    assert emit["tokens"] == off["tokens"]
+    assert max(abs(a - b) for a, b in zip(emit["logprobs"], off["logprobs"])) < LOGPROB_ATOL

@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_gated_delta_rule_cpu(
     const at::Tensor& beta, const c10::optional<at::Tensor>& initial_state, bool output_final_state,
     const c10::optional<at::Tensor>& cu_seqlens, bool head_first, bool use_qk_l2norm_in_kernel,
     const c10::optional<at::Tensor>& initial_state_indices, double eps, bool output_chunk_states,
-    c10::optional<double> scale_opt, bool inplace_update) {
+    c10::optional<double> scale_opt, bool inplace_update, const c10::optional<at::Tensor>& state_emit_indices) {
   TORCH_CHECK(!head_first, "chunk_gated_delta_rule_cpu: head_first=True is not supported (deprecated upstream)");
   const at::Tensor q = bthd(query, "query"), k = bthd(key, "key"), v = bthd(value, "value");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
@@ -212,6 +212,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_gated_delta_rule_cpu(
   const int64_t NT = varlen ? chunk_off[N] : (T + kChunk - 1) / kChunk;
   at::Tensor h = output_chunk_states ? at::empty({B, NT, HV, V, K}, q.options()) : at::empty({0}, q.options());
 
+  // Chunk-start states emitted into pool slots (anchor checkpoints inside the pass): one entry
+  // per chunk, indexed like h; -1 = none.
+  std::vector<int64_t> emit;
+  const bool has_emit = state_emit_indices.has_value() && state_emit_indices->defined();
+  if (has_emit) {
+    TORCH_CHECK(has_state && has_idx, "state_emit_indices needs initial_state and initial_state_indices (the pool)");
+    emit = to_int64_vector(*state_emit_indices, "state_emit_indices");
+    const int64_t want = varlen ? NT : B * NT;
+    TORCH_CHECK(static_cast<int64_t>(emit.size()) == want,
+                "state_emit_indices must have one entry per 64-token chunk (", want, "), got ", emit.size());
+    std::vector<char> used(initial_state->size(0), 0);
+    for (int64_t sl : slots)
+      if (sl >= 0) used[sl] = 1;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t nc = (seqs[i].len + kChunk - 1) / kChunk;
+      const int64_t c0 = varlen ? chunk_off[i] : i * NT;
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t d = emit[c0 + c];
+        if (d < 0) continue;
+        TORCH_CHECK(c > 0, "state_emit_indices: chunk 0 of sequence ", i, " is its initial state; pass -1");
+        TORCH_CHECK(slots[i] >= 0, "state_emit_indices: sequence ", i, " has no state slot (padding)");
+        TORCH_CHECK(d < initial_state->size(0), "state_emit_indices entry ", d, " is out of range for ",
+                    initial_state->size(0), " slots");
+        TORCH_CHECK(!used[d], "state_emit_indices: slot ", d,
+                    " is written twice (a sequence's own slot or another emitted state)");
+        used[d] = 1;
+      }
+    }
+  }
+
   const IsaKernels& kern = kernels();
   const int64_t ws_floats = chunk_gdn_workspace_floats(K, V, kChunk);
   const int64_t group = HV / H;
@@ -219,10 +249,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_gated_delta_rule_cpu(
 
   at::parallel_for(0, N * HV, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> ws(ws_floats);
+    std::vector<void*> emit_ptrs;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t n = w / HV, hv = w % HV, hk = hv / group;
       const Seq& s = seqs[n];
       ChunkGdnArgs a{};
+      a.emit = nullptr;
+      if (has_emit) {
+        const int64_t nc = (s.len + kChunk - 1) / kChunk;
+        const int64_t c0 = varlen ? chunk_off[n] : n * NT;
+        emit_ptrs.assign(nc, nullptr);
+        bool any = false;
+        for (int64_t c = 1; c < nc; ++c) {
+          const int64_t d = emit[c0 + c];
+          if (d < 0) continue;
+          emit_ptrs[c] = elem_ptr_mut(*initial_state, d * initial_state->stride(0) + hv * V * K);
+          any = true;
+        }
+        if (any) a.emit = emit_ptrs.data();
+      }
       a.len = s.len;
       a.K = K;
       a.V = V;

@@ -20,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_gated_delta_rule_cpu(
     const at::Tensor& beta, const c10::optional<at::Tensor>& initial_state, bool output_final_state,
     const c10::optional<at::Tensor>& cu_seqlens, bool head_first, bool use_qk_l2norm_in_kernel,
     const c10::optional<at::Tensor>& initial_state_indices, double eps, bool output_chunk_states,
-    c10::optional<double> scale, bool inplace_update);
+    c10::optional<double> scale, bool inplace_update, const c10::optional<at::Tensor>& state_emit_indices);
 at::Tensor fused_sigmoid_gating_delta_rule_update_cpu(
     const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& initial_state_source,
@@ -73,7 +73,8 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
       "chunk_gated_delta_rule_cpu(Tensor query, Tensor key, Tensor value, Tensor g, Tensor beta, "
       "Tensor(a!)? initial_state, bool output_final_state, Tensor? cu_seqlens, bool head_first, "
       "bool use_qk_l2norm_in_kernel, Tensor? initial_state_indices=None, float eps=1e-6, "
-      "bool output_chunk_states=False, float? scale=None, bool inplace_update=True) -> (Tensor, Tensor, Tensor)");
+      "bool output_chunk_states=False, float? scale=None, bool inplace_update=True, "
+      "Tensor? state_emit_indices=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "fused_sigmoid_gating_delta_rule_update_cpu(Tensor A_log, Tensor dt_bias, Tensor q, Tensor k, Tensor v, "
       "Tensor a, Tensor b, Tensor(a!) initial_state_source, Tensor initial_state_indices, Tensor? cu_seqlens, "

@@ -172,6 +172,7 @@ def chunk_gated_delta_rule_cpu(
     output_final_state: bool = False,
     inplace_update: bool = True,
     output_chunk_states: bool = True,
+    state_emit_indices: Optional[torch.Tensor] = None,
     **kwargs,
 ):
     """Chunked gated delta rule for prefill (the CPU ``chunk_gated_delta_rule``).
@@ -194,6 +195,8 @@ def chunk_gated_delta_rule_cpu(
             states at every 64-token chunk start, ``[1, NT, HV, V, K]`` in q's
             dtype, used by the mamba prefix-cache tracking in
             ``srt/layers/attention/hybrid_linear_attn_backend.py``.
+        state_emit_indices: ``[NT]`` pool slot per 64-token chunk that receives the state
+            at that chunk's start (-1: none); see :func:`sgl_kernel_fork.ops.chunk_gated_delta_rule`.
 
     Returns:
         ``(o, final_state_or_None, h_or_None)``, ``o`` ``[B, T, HV, V]`` in q's
@@ -218,6 +221,7 @@ def chunk_gated_delta_rule_cpu(
         output_chunk_states,
         scale,
         inplace_update,
+        state_emit_indices,
     )
     return (
         o,

@@ -57,6 +57,7 @@ def chunk_gated_delta_rule(
     output_chunk_states: bool = False,
     scale: Optional[float] = None,
     inplace_update: bool = True,
+    state_emit_indices: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule (prefill): ``torch.ops.sgl_kernel.chunk_gated_delta_rule_cpu``.
 
@@ -91,6 +92,19 @@ def chunk_gated_delta_rule(
             ``NT = sum_i ceil(len_i / 64)`` (varlen) or ``ceil(T / 64)`` -- the
             ``h`` of upstream's Triton kernel, used for mamba prefix-cache tracking.
         scale: query scale, default ``K ** -0.5``.
+        state_emit_indices: ``[NT]`` int (NT as for ``h``; ``B * ceil(T / 64)`` without
+            ``cu_seqlens``), or None: for chunk ``c`` of a sequence, the pool slot of
+            ``initial_state`` that receives the state after its first ``64 * c`` tokens
+            (the ``h`` entry of that chunk, but in the pool's dtype, rounded once from fp32
+            like the final write-back), -1 for none. The emitted state equals the final
+            state of a pass over those tokens alone. Used for anchor checkpoints inside a
+            prefill pass (``srt/mem_cache/anchor_checkpoints/emit.py``). Needs
+            ``initial_state`` with ``initial_state_indices``.
+
+    Raises:
+        RuntimeError: an emit entry on chunk 0 of a sequence (its initial state), on a
+            padding sequence, out of range, or naming a slot written twice (a sequence's
+            own slot or another emitted state); a wrong number of entries.
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in the input dtype; empty
@@ -112,6 +126,7 @@ def chunk_gated_delta_rule(
         output_chunk_states,
         scale,
         inplace_update,
+        state_emit_indices,
     )
 
 

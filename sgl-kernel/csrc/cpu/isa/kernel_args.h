@@ -55,6 +55,9 @@ struct ChunkGdnArgs {
   float* final_state;   // optional [V][K] fp32 copy of the final state
   void* h;              // optional chunk-start states, io_dt, [n_chunks][V][K]
   int64_t h_cs;         // stride between chunks of h, in elements
+  // Optional [n_chunks] destinations of the chunk-start states in state_dt ([V][K] each,
+  // rounded once like the final write-back); a null entry (and entry 0) is skipped.
+  void* const* emit;
 };
 
 // One (sequence, value-head) work item of the fused sigmoid-gating recurrent

@@ -237,6 +237,12 @@ static void chunk_gdn(const ChunkGdnArgs& a, float* ws) {
     const int64_t t0 = c * BT;
     const int64_t Lc = imin(BT, a.len - t0);
 
+    if (a.emit != nullptr && c > 0 && a.emit[c] != nullptr) {  // the state after t0 tokens
+      for (int64_t vv = 0; vv < V; ++vv) {
+        for (int64_t kk = 0; kk < K; ++kk) Un[kk] = S[kk * Vp + vv];
+        store_row(a.state_dt, offset(a.state_dt, a.emit[c], vv * K), Un, K);
+      }
+    }
     if (a.h != nullptr) {  // state at the start of this chunk, [V][K]
       void* hc = offset(a.io_dt, a.h, c * a.h_cs);
       for (int64_t vv = 0; vv < V; ++vv) {

@@ -26,7 +26,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AnchorScanner", "anchor_cache_factory", "derive_markers", "want_no_buffer_strategy"]
+__all__ = [
+    "ANCHOR_MODES",
+    "AnchorScanner",
+    "anchor_cache_factory",
+    "derive_markers",
+    "want_no_buffer_strategy",
+]
+
+# --anchor-checkpoint-mode: cut ends prefill chunks at anchors (a pass ends there); emit lets
+# the chunks end where upstream ends them and writes the states inside the pass (emit.py).
+ANCHOR_MODES = ("cut", "emit")
 
 
 def want_no_buffer_strategy(view) -> bool:
@@ -72,8 +82,8 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
     chunked prefill off, hierarchical cache, no tokenizer or one without a readable vocabulary).
 
     Raises:
-        ValueError: ``--anchor-checkpoint-min-gap`` below 1, or ``--anchor-checkpoint-max-states``
-            0 or below -1.
+        ValueError: ``--anchor-checkpoint-min-gap`` below 1, ``--anchor-checkpoint-max-states``
+            0 or below -1, or an ``--anchor-checkpoint-mode`` other than cut / emit.
     """
     from sglang.srt.runtime_context import get_exec
 
@@ -89,6 +99,16 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
             "--anchor-checkpoint-max-states must be -1 (no cap) or a positive number, got "
             f"{mamba.anchor_checkpoint_max_states}"
         )
+    mode = getattr(mamba, "anchor_checkpoint_mode", "cut")
+    if mode not in ANCHOR_MODES:
+        raise ValueError(f"--anchor-checkpoint-mode must be one of {ANCHOR_MODES}, got {mode!r}")
+    emit = mode == "emit"
+    if emit and not _emit_supported():
+        logger.warning(
+            "Anchor checkpoints: --anchor-checkpoint-mode emit needs the CPU gated-DeltaNet op "
+            "(the Triton chunk kernel does not emit states yet); cutting prefill chunks instead."
+        )
+        emit = False
     why_not = None
     from sglang.srt.runtime_context import get_schedule
 
@@ -132,4 +152,11 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
         scanner=scanner,
         min_gap=mamba.anchor_checkpoint_min_gap,
         max_states=mamba.anchor_checkpoint_max_states,
+        emit=emit,
     )
+
+
+def _emit_supported() -> bool:
+    from sglang.srt.utils import is_cpu
+
+    return is_cpu()

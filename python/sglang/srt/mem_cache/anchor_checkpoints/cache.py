@@ -19,14 +19,19 @@ state pool, the KV written so far joins the tree, and the request's lock moves o
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
+import torch
+
+from sglang.srt.mem_cache.anchor_checkpoints.emit import RowEmission, StateEmission
+from sglang.srt.mem_cache.anchor_checkpoints.emit import publish as emission_publish
 from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
 from sglang.srt.mem_cache.anchor_checkpoints.planner import AnchorPlanner
 from sglang.srt.mem_cache.anchor_checkpoints.stats import AnchorStats
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.unified_cache.cache_action import FreeComponentDeviceSlot
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 if TYPE_CHECKING:
@@ -44,7 +49,13 @@ class AnchorRadixCache(UnifiedRadixCache):
     """
 
     def __init__(
-        self, params: CacheInitParams, scanner: AnchorScanner, *, min_gap: int, max_states: int = -1
+        self,
+        params: CacheInitParams,
+        scanner: AnchorScanner,
+        *,
+        min_gap: int,
+        max_states: int = -1,
+        emit: bool = False,
     ) -> None:
         super().__init__(params)
         assert self.is_mamba_enabled and not self.enable_mamba_extra_buffer, (
@@ -52,7 +63,14 @@ class AnchorRadixCache(UnifiedRadixCache):
         )
         labels = self.metrics_collector.labels if getattr(self, "metrics_collector", None) else None
         self.anchor_stats = AnchorStats(labels)
-        self.anchor_planner = AnchorPlanner(scanner, min_gap, self.anchor_stats)
+        self.anchor_planner = AnchorPlanner(scanner, min_gap, self.anchor_stats, emit=emit)
+        self._emission: Optional[tuple] = None  # (StateEmission, allocator slots per row)
+        if emit:
+            # The mamba component donates an emitted state's slot to the node it belongs to
+            # instead of copying the live state into a fresh one (_EmittedStateDonor).
+            comp = self.components[ComponentType.MAMBA]
+            assert type(comp) is MambaComponent, type(comp)
+            comp.__class__ = _EmittedStateDonor
         self.anchor_max_states = max_states
         from sglang.srt.runtime_context import get_serving
 
@@ -67,7 +85,8 @@ class AnchorRadixCache(UnifiedRadixCache):
             )
         self._in_decode_save = False
         logger.info(
-            "Anchor checkpoints on: %d markers %s, min gap %d tokens, tree state cap %s",
+            "Anchor checkpoints on (%s): %d markers %s, min gap %d tokens, tree state cap %s",
+            "states emitted inside the prefill pass" if emit else "prefill chunks cut at anchors",
             len(scanner.markers),
             list(scanner.markers),
             min_gap,
@@ -141,6 +160,98 @@ class AnchorRadixCache(UnifiedRadixCache):
             finally:
                 self._in_decode_save = False
 
+    # ---- emit mode: states written inside the pass (emit.py) ------------------------------
+
+    def plan_state_emission(self, batch) -> None:
+        """Choose the states the prefill pass of ``batch`` emits and give each a free state slot
+        (patch 0046, after ``prepare_for_extend``); publish the plan for the GDN backend. A slot
+        the pool cannot give even after evicting the least recently used tree state ends that
+        request's emissions (counted as skipped). Counts the pass in both modes. Emit mode only;
+        requests barred from the tree, without a state slot, or with images emit nothing."""
+        self.anchor_stats.on_prefill_pass()
+        if not self.anchor_planner.emit:
+            return
+        self._release_emission()
+        rows, held = [], []
+        translate = self.req_to_token_pool.translate_mamba_indices
+        for i, req in enumerate(batch.reqs):
+            if req.skip_radix_cache_insert or not req.kv.holds_mamba:
+                continue
+            want = self.anchor_planner.emit_positions(
+                req, req.prefix_len, req.extend_end - req.prefix_len
+            )
+            slots = []
+            for _ in want:
+                slot = self._alloc_state_slot()
+                if slot is None:
+                    self.anchor_stats.on_emit_skipped()
+                    break
+                slots.append(slot)
+            if slots:
+                # The kernels write physical slots; the tree keeps the allocator's ids.
+                physical = translate(torch.cat(slots)).view(-1).tolist()
+                rows.append(RowEmission(i, req.prefix_len, want[: len(slots)], physical))
+                held.append(slots)
+        if not rows:
+            emission_publish(None)
+            return
+        plan = StateEmission(
+            tuple(int(r.kv.req_pool_idx) for r in batch.reqs),
+            tuple(int(r.extend_end - r.prefix_len) for r in batch.reqs),
+            rows,
+        )
+        self._emission = (plan, held)
+        emission_publish(plan)
+
+    def insert_emitted_states(self, batch) -> None:
+        """After the prefill pass of ``batch`` (patch 0046, before its results are processed):
+        insert each request's path up to every state the pass emitted, the emitted slot becoming
+        the state of the node ending there (the lock moves along, as at a chunk end). Slots of a
+        plan the pass did not take, or of positions already in the tree, go back to the pool."""
+        pending, self._emission = self._emission, None
+        emission_publish(None)
+        if pending is None:
+            return
+        plan, held = pending
+        if not plan.written and self.anchor_planner.emit:
+            # No linear layer took the plan (a model whose layers have no emission hook).
+            logger.warning(
+                "Anchor checkpoints: the model's linear layers do not emit states; cutting "
+                "prefill chunks at anchors instead."
+            )
+            self.anchor_planner.emit = False
+        for r, slots in zip(plan.rows, held):
+            req = batch.reqs[r.row] if r.row < len(batch.reqs) else None
+            for pos, slot in zip(r.positions, slots):
+                if (
+                    not plan.written
+                    or req is None
+                    or req.finished()
+                    or not req.kv.holds_kv
+                    or pos <= req.kv.cache_protected_len
+                ):
+                    self.req_to_token_pool.mamba_allocator.free(slot)
+                    continue
+                req._anchor_emitted_slot = slot
+                try:
+                    self.checkpoint(req, up_to=pos)
+                finally:
+                    req._anchor_emitted_slot = None
+
+    def _release_emission(self) -> None:
+        pending, self._emission = self._emission, None
+        if pending is not None:
+            for slots in pending[1]:
+                for slot in slots:
+                    self.req_to_token_pool.mamba_allocator.free(slot)
+
+    def _alloc_state_slot(self) -> Optional[torch.Tensor]:
+        """One free slot of the state pool (``[1]`` int64), evicting the least recently used
+        tree state if none is free; None if that does not free one either."""
+        if not self._state_slot_obtainable():
+            return None
+        return self.req_to_token_pool.mamba_allocator.alloc(1)
+
     def _state_slot_obtainable(self) -> bool:
         """Whether the checkpoint's state-slot allocation will succeed (upstream asserts on
         failure): a slot is free, or is after evicting the least recently used tree state."""
@@ -175,8 +286,25 @@ class AnchorRadixCache(UnifiedRadixCache):
         super()._apply_cache_action(action)
 
     def reset(self) -> None:
+        if getattr(self, "_emission", None) is not None:
+            self._release_emission()
+            emission_publish(None)
         super().reset()
         # __init__ runs reset() before the stats exist.
         stats = getattr(self, "anchor_stats", None)
         if stats is not None:
             stats.on_reset()
+
+
+class _EmittedStateDonor(MambaComponent):
+    """Upstream's mamba component, except that a checkpoint of a request carrying an emitted
+    state (``req._anchor_emitted_slot``, set by :meth:`AnchorRadixCache.insert_emitted_states`)
+    donates that slot to the inserted node instead of copying the live state into a fresh one.
+    Upstream's cleanup frees the slot when the node already had a state."""
+
+    def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
+        slot = getattr(req, "_anchor_emitted_slot", None)
+        if slot is None or is_finished:
+            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+        insert_params.mamba_value = slot
+        return token_ids_len

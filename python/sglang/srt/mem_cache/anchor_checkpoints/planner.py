@@ -39,10 +39,11 @@ the same bound as near the end of a prompt.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import numpy as np
 
+from sglang.srt.mem_cache.anchor_checkpoints.emit import EMIT_GRID, grid_position
 from sglang.srt.mem_cache.anchor_checkpoints.markers import AnchorScanner
 
 if TYPE_CHECKING:
@@ -57,11 +58,16 @@ SPACING_DIVISOR = 8
 class AnchorPlanner:
     """Chooses anchor cuts per request and remembers them for the cache (see module doc)."""
 
-    def __init__(self, scanner: AnchorScanner, min_gap: int, stats=None) -> None:
+    def __init__(
+        self, scanner: AnchorScanner, min_gap: int, stats=None, *, emit: bool = False
+    ) -> None:
         assert min_gap >= 1, min_gap
         self.scanner = scanner
         self.min_gap = min_gap
         self.stats = stats  # AnchorStats or None
+        # emit: chunks end where upstream ends them; the states at the anchors are emitted
+        # inside the pass instead (emit.py, emit_positions); cut: chunks end at anchors.
+        self.emit = emit
 
     # ---- per-request anchor positions --------------------------------------------------
 
@@ -86,16 +92,46 @@ class AnchorPlanner:
         """The first usable anchor in ``(prefix_len, prefix_len + extend_len)``, or None."""
         if extend_len <= self.min_gap or req.multimodal_inputs is not None:
             return None
+        return self._next_anchor(req, prefix_len, prefix_len, prefix_len + extend_len)
+
+    def _next_anchor(self, req: Req, scan_from: int, start: int, end: int) -> Optional[int]:
+        """The first anchor at least ``gap`` after ``start`` and before ``end`` (and the last
+        ``TAIL_TOKENS`` tokens), from the scan of the request's fill ids from ``scan_from``."""
         total = len(req.full_untruncated_fill_ids)
-        limit = min(prefix_len + extend_len, total - TAIL_TOKENS + 1)
-        lo = prefix_len + self.gap(total, prefix_len)
+        limit = min(end, total - TAIL_TOKENS + 1)
+        lo = start + self.gap(total, start)
         if lo >= limit:
             return None
-        pos = self.positions(req, prefix_len)
+        pos = self.positions(req, scan_from)
         i = int(np.searchsorted(pos, lo, side="left"))
         if i < len(pos) and pos[i] < limit:
             return int(pos[i])
         return None
+
+    def emit_positions(self, req: Req, prefix_len: int, extend_len: int) -> List[int]:
+        """Positions (ascending, absolute) whose recurrent state the pass over
+        ``[prefix_len, prefix_len + extend_len)`` of ``req`` emits (emit mode): for every anchor
+        the cut planner would end a chunk at (the same ``gap`` spacing, measured from the
+        previous anchor), its kernel-chunk boundary (:func:`emit.grid_position`); and, when the
+        pass reaches the end of the fill ids, the last boundary before it, so a resent identical
+        prompt reuses all but fewer than 64 of its tokens. Each is marked (:meth:`mark`) when it
+        is an anchor's. None for requests with images or passes of at most 64 tokens."""
+        if extend_len <= EMIT_GRID or req.multimodal_inputs is not None:
+            return []
+        end = prefix_len + extend_len
+        out: List[int] = []
+        s = prefix_len
+        while (a := self._next_anchor(req, prefix_len, s, end)) is not None:
+            e = grid_position(prefix_len, a, self.min_gap)
+            if e is not None and (not out or e > out[-1]):
+                out.append(e)
+                self.mark(req, e)
+            s = a
+        if end == len(req.full_untruncated_fill_ids):
+            last = prefix_len + (end - 1 - prefix_len) // EMIT_GRID * EMIT_GRID
+            if last > prefix_len and (not out or last > out[-1]):
+                out.append(last)
+        return out
 
     # ---- the scheduler seam ------------------------------------------------------------
 
@@ -108,7 +144,9 @@ class AnchorPlanner:
 
     def cut(self, req: Req, prefix_len: int, extend_len: int) -> int:
         """Length of the next chunk of ``req``: ``extend_len``, or shorter so that it ends at an
-        anchor."""
+        anchor (never shorter in emit mode)."""
+        if self.emit:
+            return extend_len
         at = self.next_cut(req, prefix_len, extend_len)
         if at is None:
             return extend_len

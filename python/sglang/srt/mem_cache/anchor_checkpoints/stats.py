@@ -29,6 +29,8 @@ class AnchorCounters:
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     anchor_reused_tokens: int = 0
+    prefill_passes: int = 0  # prefill forward passes (batches) the scheduler ran
+    skipped_emit: int = 0  # emit mode: states not emitted, no state slot free or evictable
 
 
 class AnchorStats:
@@ -64,6 +66,18 @@ class AnchorStats:
         self.counters.skipped_decode += 1
         if self._prom is not None:
             self._prom.skipped_decode.inc()
+
+    def on_prefill_pass(self) -> None:
+        """A prefill (extend) batch is about to run."""
+        self.counters.prefill_passes += 1
+        if self._prom is not None:
+            self._prom.prefill_passes.inc()
+
+    def on_emit_skipped(self) -> None:
+        """Emit mode: a planned state was not emitted, no state slot free or evictable."""
+        self.counters.skipped_emit += 1
+        if self._prom is not None:
+            self._prom.skipped_emit.inc()
 
     def on_freed(self, slot: int) -> None:
         """The tree freed state ``slot`` (eviction)."""
@@ -145,6 +159,14 @@ class _PromSeries:
         self.skipped_decode = counter(
             "sglang:anchor_checkpoints_skipped_decode_total",
             "Anchors in generated text not saved because no state slot was free or evictable.",
+        )
+        self.prefill_passes = counter(
+            "sglang:anchor_prefill_passes_total",
+            "Prefill forward passes (extend batches) run by the scheduler of a cache with anchor checkpoints.",
+        )
+        self.skipped_emit = counter(
+            "sglang:anchor_checkpoints_skipped_emit_total",
+            "Anchor states not emitted inside a prefill pass because no state slot was free or evictable.",
         )
         self.restored = counter(
             "sglang:anchor_checkpoints_restored_total",
