@@ -7,9 +7,10 @@ and the device slots (the cache) use the same bank layout, so one (source id, de
 slot) work list copies an expert across every bank, and the CPU executor and the device
 kernels index experts the same way.
 
-Only BF16 experts exist today. A quantized format (FP8, MXFP4, NVFP4) is another
-:class:`ExpertFormat` with more banks (packed weights plus scale banks): the cache, the
-control step and the copy work list only see rows and never change.
+BF16 is defined here; the quantized formats (FP8, MXFP4, NVFP4: packed weights plus scale
+banks, with their float64 dequantize references) are the :class:`ExpertFormat` subclasses of
+``formats.py``. The cache, the control step and the copy work list only see rows and never
+change.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class ExpertFormat:
             BankSpec("w13", "w13_weight", (2 * i, h), self.dtype),
             BankSpec("w2", "w2_weight", (h, i), self.dtype),
         )
+
+    @property
+    def executor_format(self) -> str:
+        """The CPU executor's ``format`` name for these banks (``sgl_kernel_fork.cpu_executor``)."""
+        return "bf16"
 
 
 BF16 = ExpertFormat(label="bf16", dtype=torch.bfloat16)
