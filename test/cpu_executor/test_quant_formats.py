@@ -15,6 +15,7 @@ give bit-identical outputs for every format, as for bf16.
 
 import pytest
 import torch
+from test_kernel import reference as bf16_reference
 
 from sgl_kernel_fork.cpu_executor import (
     CpuBranchPlan,
@@ -58,19 +59,9 @@ def make_problem(fmt, T, K, H, I, N, pad=0.2, seed=0):
 
 
 def reference(fmt, x, tw, rows, banks):
+    """The bf16 tests' float64 formula over the float64 dequantized banks."""
     w13, w2 = QUANT_FORMATS[fmt].dequantize(banks)
-    T, K = rows.shape
-    I = w13.shape[1] // 2
-    y = torch.zeros(T, K, x.shape[1], dtype=torch.float64)
-    xd = x.double()
-    for e in rows.unique().tolist():
-        if e < 0:
-            continue
-        t, k = (rows == e).nonzero(as_tuple=True)
-        gu = xd[t] @ w13[e].T
-        h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).float().bfloat16().double()
-        y[t, k] = h @ w2[e].T
-    return (tw.double()[:, :, None] * y).sum(1)
+    return bf16_reference(x, tw, rows, w13, w2)
 
 
 def run(fmt, x, tw, rows_list, sets, out, accumulate=False):

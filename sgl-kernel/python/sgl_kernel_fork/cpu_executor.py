@@ -98,6 +98,20 @@ def format_code(fmt: Union[str, int]) -> int:
     return names.index(fmt)
 
 
+def _call_args(a: dict) -> tuple:
+    """The op's positional arguments from the Python signature's values ``a``."""
+    return (
+        a["hidden"],
+        a["topk_weights"],
+        list(a["expert_rows"]),
+        list(a["w13"]),
+        list(a["w2"]),
+        a["out"],
+        a["accumulate"],
+        *_quant_args(a["format"], a["w13_scale"], a["w2_scale"], a["w13_scale_2"], a["w2_scale_2"]),
+    )
+
+
 def _quant_args(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2):
     return (
         format_code(format),
@@ -169,16 +183,7 @@ def moe_experts_cpu(
             format (one per set, none for bf16); an unknown format code.
         ValueError: an unknown format name.
     """
-    _ops.moe_experts_cpu(
-        hidden,
-        topk_weights,
-        list(expert_rows),
-        list(w13),
-        list(w2),
-        out,
-        accumulate,
-        *_quant_args(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2),
-    )
+    _ops.moe_experts_cpu(*_call_args(locals()))
 
 
 def moe_experts_cpu_submit(
@@ -211,16 +216,7 @@ def moe_experts_cpu_submit(
     Returns:
         int handle for :func:`moe_experts_cpu_wait`.
     """
-    return _ops.moe_experts_cpu_submit(
-        hidden,
-        topk_weights,
-        list(expert_rows),
-        list(w13),
-        list(w2),
-        out,
-        accumulate,
-        *_quant_args(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2),
-    )
+    return _ops.moe_experts_cpu_submit(*_call_args(locals()))
 
 
 def moe_experts_cpu_wait(handle: int) -> None:
@@ -324,7 +320,10 @@ class CpuBranchPlan:
         self.rows = torch.full((max_tokens, top_k), -1, dtype=torch.int32, **alloc)
         self.out = torch.zeros(max_tokens, H, dtype=torch.float32, **alloc)
         self.w13, self.w2 = w13, w2
-        one = lambda t: [] if t is None else [t]  # noqa: E731
+
+        def one(t):
+            return [] if t is None else [t]
+
         self.handle = _ops.moe_experts_cpu_plan(
             self.hidden,
             self.weights,
