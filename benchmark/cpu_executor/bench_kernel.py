@@ -38,6 +38,15 @@ per physical core; torch.set_num_threads is set to the same count):
   experts (64), top-8: GFLOP/s (2 * 3 * H * I per (token, k)) of ours vs torch
   grouped per expert (index_select, two F.linear, index_add_).
 
+* --format bf16,fp8,mxfp4,nvfp4 (default all): each quantized format gets a bank of the
+  same --experts experts in upstream's per-expert tensors (``expert_cache.formats``: 8 quantized
+  experts tiled over the bank), decoded by ``moe_experts_cpu`` in registers; effective bandwidth
+  = bytes of the packed experts (weights + scales) / wall time, batch 1..4, beside the same
+  sequential read and torch (float32 dequantize + F.linear per expert, --torch-steps steps).
+  bf16 is always measured (the lines above); kt-kernel is run for bf16 only (its FP8 / MXFP4
+  backends are not wired here: printed as skipped). Last line adds, per format of the run,
+  ``read_ratio_FMT`` (batch 1 / read), ``bw_gbps_FMT_bB`` and ``torch_ratio_FMT``.
+
 Measurements are interleaved in --rounds rounds (torch decode: --torch-steps
 steps per round), so that a shared machine's load hits all of them alike;
 figures are medians over rounds, ratios the median of same-round ratios. Last
@@ -194,6 +203,50 @@ class Bench:
         return self.pflop / (time.perf_counter() - t0) / 1e9, out
 
 
+class QuantBench:
+    """Decode steps of one quantized format over a bank of the same shapes."""
+
+    def __init__(self, bench: Bench, fmt: str):
+        from sglang.srt.layers.moe.expert_cache.formats import QUANT_FORMATS, executor_args
+
+        self.bench, self.fmt = bench, QUANT_FORMATS[fmt]
+        g = torch.Generator().manual_seed(2)
+        w13 = torch.randn(8, 2 * INTER, HIDDEN, generator=g) * 0.02
+        w2 = torch.randn(8, HIDDEN, INTER, generator=g) * 0.02
+        small = self.fmt.quantize(w13, w2)
+        idx = torch.arange(bench.E) % 8
+        self.banks = {k: v[idx].contiguous() for k, v in small.items()}
+        self.kw = executor_args(self.fmt, [self.banks])
+        self.expert_bytes = self.fmt.expert_bytes(HIDDEN, INTER)
+
+    def decode_ours(self, B: int) -> float:
+        b = self.bench
+        steps = max(2, b.E // (B * TOPK))
+        x, tw, out = b.x[:B].contiguous(), b.tw[:B].contiguous(), torch.empty(B, HIDDEN)
+        routes = [b.next_rows(B) for _ in range(steps)]
+        t0 = time.perf_counter()
+        for rows in routes:
+            moe_experts_cpu(x, tw, [rows], out=out, **self.kw)
+        return steps * B * TOPK * self.expert_bytes / (time.perf_counter() - t0) / 1e9
+
+    def decode_torch(self, B: int, max_steps: int) -> float:
+        """torch: dequantize each routed expert (float32), then F.linear, SiLU-and-mul, sum."""
+        b = self.bench
+        steps = max(1, min(max_steps, b.E // (B * TOPK)))
+        x, tw = b.x[:B].float(), b.tw[:B]
+        routes = [b.next_rows(B) for _ in range(steps)]
+        t0 = time.perf_counter()
+        for rows in routes:
+            out = torch.zeros(B, HIDDEN)
+            for e in rows.unique().tolist():
+                w13, w2 = self.fmt.dequantize({k: v[e] for k, v in self.banks.items()})
+                t, k = (rows == e).nonzero(as_tuple=True)
+                gu = F.linear(x[t], w13.float())
+                h = F.silu(gu[:, :INTER]) * gu[:, INTER:]
+                out.index_add_(0, t, F.linear(h, w2.float()) * tw[t, k][:, None])
+        return steps * B * TOPK * self.expert_bytes / (time.perf_counter() - t0) / 1e9
+
+
 class KtMoE:
     """kt-kernel's MoE operator over the bench's bank (kt copies it into its own layout)."""
 
@@ -302,7 +355,19 @@ def main() -> None:
         help="comma-separated kt-kernel pool sizes, its best taken "
         "per round (default: 1, N-1 and N for N = --threads)",
     )
+    ap.add_argument(
+        "--format",
+        default="bf16,fp8,mxfp4,nvfp4",
+        help="comma-separated expert formats (bf16 is always measured: the lines above)",
+    )
+    ap.add_argument(
+        "--quant-torch-steps", type=int, default=2, help="torch steps per quantized round"
+    )
     args = ap.parse_args()
+    formats = [f for f in args.format.split(",") if f]
+    bad = [f for f in formats if f not in ("bf16", "fp8", "mxfp4", "nvfp4")]
+    if bad:
+        ap.error(f"--format: unknown {bad}; choose from bf16,fp8,mxfp4,nvfp4")
 
     t_start = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -319,6 +384,12 @@ def main() -> None:
         f"{args.experts * bench.expert_bytes / 1e9:.2f} GB"
     )
     batches = list(range(1, args.batch_max + 1))
+    quants = [QuantBench(bench, f) for f in formats if f != "bf16"]
+    for q in quants:
+        print(
+            f"# {q.fmt.name} bank: {args.experts} experts x {q.expert_bytes / 1e6:.2f} MB (weights + scales)"
+        )
+        q.decode_ours(1)  # warm-up: page mapping
     bench.prefill_setup(args.prefill_tokens, min(args.prefill_experts, args.experts))
     t_kt = time.perf_counter()
     kt_threads = (
@@ -366,6 +437,10 @@ def main() -> None:
                 res.setdefault(f"kt_b{B}", []).append(
                     max(res[f"kt{k.threads}_b{B}"][-1] for k in kts)
                 )
+        for q in quants:
+            for B in batches:
+                add(f"{q.fmt.name}_b{B}", q.decode_ours(B))
+                add(f"{q.fmt.name}_torch_b{B}", q.decode_torch(B, args.quant_torch_steps))
     prefill_out = {}
     for _ in range(args.prefill_rounds):
         v, prefill_out["ours"] = bench.prefill_ours()
@@ -411,6 +486,20 @@ def main() -> None:
                 f"| kt-kernel, best pool size per round | {B} | {med[k]:.1f} | {best[k]:.1f} "
                 f"| {ratio(k, 'read'):.2f} | | |"
             )
+    if quants:
+        print()
+        print("| format | batch | GB/s median | GB/s best | vs read | ours vs torch | torch GB/s |")
+        print("|---|---|---|---|---|---|---|")
+    for q in quants:
+        for B in batches:
+            o, t = f"{q.fmt.name}_b{B}", f"{q.fmt.name}_torch_b{B}"
+            print(
+                f"| moe_experts_cpu {q.fmt.name} | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} "
+                f"| {ratio(o, t):.2f} | {med[t]:.2f} |"
+            )
+        print(
+            f"# kt-kernel {q.fmt.name}: not measured (this benchmark wires kt's BF16 operator only)"
+        )
     po, pt = med["prefill_ours"], med["prefill_torch"]
     print()
     print(
@@ -451,8 +540,14 @@ def main() -> None:
         f"prefill_gflops={po:.1f}",
         f"prefill_torch_gflops={pt:.1f}",
         f"prefill_ratio={ratio('prefill_ours', 'prefill_torch'):.3f}",
-        f"load_avg={max(load0, load1):.1f}",
     ]
+    fields += [f"read_ratio_bf16={ratio('ours_b1', 'read'):.3f}"] if "bf16" in formats else []
+    for q in quants:
+        f = q.fmt.name
+        fields += [f"read_ratio_{f}={ratio(f + '_b1', 'read'):.3f}"]
+        fields += [f"bw_gbps_{f}_b{B}={med[f'{f}_b{B}']:.2f}" for B in batches]
+        fields += [f"torch_ratio_{f}={ratio(f + '_b1', f + '_torch_b1'):.3f}"]
+    fields += [f"load_avg={max(load0, load1):.1f}"]
     print("cpu_expert_kernel " + " ".join(fields))
 
 

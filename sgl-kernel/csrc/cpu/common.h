@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,9 @@
 #include "isa/kernel_args.h"
 
 namespace sglk {
+
+// A schema's `Tensor[]? name=None` (a list argument with a default: `Tensor[]` cannot have one).
+using OptTensorList = std::optional<at::TensorList>;
 
 // Kernel table of the ISA selected at load time (see dispatch.cpp).
 const IsaKernels& kernels();

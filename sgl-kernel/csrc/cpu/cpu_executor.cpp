@@ -4,7 +4,13 @@
 //
 //   moe_experts_cpu(hidden [T,H] bf16, topk_weights [T,K] f32,
 //                   expert_rows[S] of [T,K] i32, w13[S] of [N_i,2I,H] bf16,
-//                   w2[S] of [N_i,H,I] bf16, out [T,H] f32, accumulate)
+//                   w2[S] of [N_i,H,I] bf16, out [T,H] f32, accumulate,
+//                   format = bf16, w13_scale[S], w2_scale[S], w13_scale_2[S], w2_scale_2[S])
+//
+// Quantized formats (fp8, mxfp4, nvfp4; isa/cpu_executor_args.h): the banks hold the layer
+// quant method's per-expert tensors as upstream creates them, and the weights are decoded in
+// registers (weight-only: activations stay bf16, w13 / w2 entries below mean the dequantized
+// weights). The kernels read fp32 copies of x and h in dot_q's activation layout (per chunk).
 //
 // For each token t, result[t] = sum_{k=0..K-1, in this order} topk_weights[t,k]
 // * expert(x[t]) over the (t,k) whose row is >= 0 in one set i (rows of -1 in
@@ -118,12 +124,26 @@ int64_t item_bytes() {
 }
 constexpr int64_t kColBlock = 512;  // out columns per phase-3 item
 
+// Bytes of one weight row of n elements.
+int64_t weight_row_bytes(int64_t format, int64_t n) {
+  return format == kFormat_bf16 ? 2 * n : format == kFormat_fp8 ? n : n / 2;
+}
+
+// The quantized formats' per-set tensors (empty lists for bf16): the scales of w13 and w2 and,
+// for nvfp4, their global scales (w13_scale_2 [N] or [N, 2] = (gate, up), w2_scale_2 [N]).
+struct QuantBanks {
+  int64_t format = kFormat_bf16;
+  std::vector<at::Tensor> w13_scale, w2_scale, w13_scale_2, w2_scale_2;
+};
+
 // State shared by the chunk jobs of one call. Holds references to the tensors
 // (and the scratch) until the waiting thread releases the jobs.
 struct MoeCall {
   at::Tensor hidden, topk, out;
   std::vector<at::Tensor> rows, w13, w2;
+  QuantBanks q;
   int64_t T = 0, K = 0, H = 0, I = 0;
+  int64_t XH = 0, XI = 0;  // quantized formats: floats per prepared x / h row
   bool accumulate = false;
   const CpuExecutorKernels* kern = nullptr;
   std::vector<int32_t> set_of;  // [T*K]: set of entry t*K+k, or -1
@@ -131,13 +151,17 @@ struct MoeCall {
   std::shared_ptr<char> scratch;
   float* Y = nullptr;        // [chunk tokens * K, H]: per-(t,k) expert outputs
   uint16_t* hbuf = nullptr;  // [chunk tokens * K, I]: h (bf16) per grouped entry
+  float* xf = nullptr;       // quantized: [T, XH] x in dot_q's layout (all tokens: every chunk job
+                             // prepares its rows when it is made, before any job runs)
+  float* hf = nullptr;       // quantized: [chunk tokens * K, XI] h (its bf16 values) in that layout
 };
 
 struct Expert {
   const uint16_t* w13;
   const uint16_t* w2;
-  int32_t first;  // first grouped position
-  int32_t count;  // tokens routed to it in this chunk
+  int32_t first;               // first grouped position
+  int32_t count;               // tokens routed to it in this chunk
+  QuantMatrix gate, up, down;  // quantized formats: the expert's three matrices
 };
 
 struct Item {
@@ -193,24 +217,45 @@ class MoeChunkJob final : public ItemJob {
     xp_.resize(n);
     hp_.resize(n);
     local_.resize(n);
+    if (c.q.format != kFormat_bf16) {
+      xfp_.resize(n);
+      hfp_.resize(n);
+    }
     const uint16_t* x = reinterpret_cast<const uint16_t*>(c.hidden.data_ptr());
     for (int64_t p = 0; p < n; ++p) {
       const int64_t e = keys[p].entry;
       if (p == 0 || keys[p].set != keys[p - 1].set || keys[p].row != keys[p - 1].row) {
         const int64_t s = keys[p].set, r = keys[p].row;
-        experts_.push_back({reinterpret_cast<const uint16_t*>(c.w13[s].data_ptr()) + r * 2 * I * H,
-                            reinterpret_cast<const uint16_t*>(c.w2[s].data_ptr()) + r * H * I, static_cast<int32_t>(p),
-                            0});
+        Expert ex{};
+        ex.first = static_cast<int32_t>(p);
+        if (c.q.format == kFormat_bf16) {
+          ex.w13 = reinterpret_cast<const uint16_t*>(c.w13[s].data_ptr()) + r * 2 * I * H;
+          ex.w2 = reinterpret_cast<const uint16_t*>(c.w2[s].data_ptr()) + r * H * I;
+        } else {
+          quant_matrices(c, s, r, ex);
+        }
+        experts_.push_back(ex);
       }
       experts_.back().count++;
       xp_[p] = x + (e / K) * H;
       hp_[p] = c.hbuf + p * I;
       local_[p] = static_cast<int32_t>(e - t0_ * K);
     }
+    if (c.q.format != kFormat_bf16) {
+      // x of every token of the chunk in dot_q's layout; the padding of the h rows
+      for (int64_t t = t0_; t < t1_; ++t) quant_prep_x(c.q.format, x + t * H, 0, H, H, true, c.xf + t * c.XH);
+      for (int64_t p = 0; p < n; ++p) {
+        xfp_[p] = c.xf + (keys[p].entry / K) * c.XH;
+        hfp_[p] = c.hf + p * c.XI;
+        for (int64_t i = I; i < c.XI; ++i) c.hf[p * c.XI + i] = 0.0f;
+      }
+    }
     const int64_t ne = static_cast<int64_t>(experts_.size());
     const int64_t item = item_bytes();
-    const int64_t J = std::clamp<int64_t>(item / std::max<int64_t>(1, 4 * H), 1, std::max<int64_t>(1, I));
-    int64_t R2 = std::max<int64_t>(8, item / std::max<int64_t>(1, 2 * I) / 8 * 8);
+    // weight bytes per row: 2 (bf16), 1 (fp8) or 1/2 (4-bit) per element
+    const int64_t b13 = weight_row_bytes(c.q.format, H), b2 = weight_row_bytes(c.q.format, I);
+    const int64_t J = std::clamp<int64_t>(item / std::max<int64_t>(1, 2 * b13), 1, std::max<int64_t>(1, I));
+    int64_t R2 = std::max<int64_t>(8, item / std::max<int64_t>(1, b2) / 8 * 8);
     R2 = std::min(R2, H);
     p1_total_.reset(new int32_t[std::max<int64_t>(ne, 1)]);
     p1_done_.reset(new std::atomic<int32_t>[std::max<int64_t>(ne, 1)]);
@@ -235,6 +280,29 @@ class MoeChunkJob final : public ItemJob {
                           static_cast<int32_t>(std::min(H, c0 + kColBlock))});
   }
 
+  // The three QuantMatrix of expert row r of set s (gate and up share w13's scale grid).
+  static void quant_matrices(const MoeCall& c, int64_t s, int64_t r, Expert& ex) {
+    const int64_t H = c.H, I = c.I, f = c.q.format;
+    const at::Tensor &a = c.w13[s], &b = c.w2[s], &sa = c.q.w13_scale[s], &sb = c.q.w2_scale[s];
+    const uint8_t* w13 = static_cast<const uint8_t*>(a.data_ptr()) + r * a.stride(0);
+    const uint8_t* w2 = static_cast<const uint8_t*>(b.data_ptr()) + r * b.stride(0);
+    const char* s13 = static_cast<const char*>(sa.data_ptr()) + r * sa.stride(0) * sa.element_size();
+    const char* s2 = static_cast<const char*>(sb.data_ptr()) + r * sb.stride(0) * sb.element_size();
+    const int64_t b13 = weight_row_bytes(f, H), b2 = weight_row_bytes(f, I);
+    // gate and up are both w13 addressed from its row 0 (the up rows are I..2I-1, and fp8's
+    // 128 x 128 scale grid covers all 2I rows); they differ only in nvfp4's global scale
+    ex.gate = {static_cast<int32_t>(f), w13, b13, s13, sa.size(2), 1.0f};
+    ex.up = ex.gate;
+    ex.down = {static_cast<int32_t>(f), w2, b2, s2, sb.size(2), 1.0f};
+    if (f == kFormat_nvfp4) {
+      const float* g13 = c.q.w13_scale_2[s].data_ptr<float>();
+      const bool two = c.q.w13_scale_2[s].dim() == 2;
+      ex.gate.global = two ? g13[2 * r] : g13[r];
+      ex.up.global = two ? g13[2 * r + 1] : g13[r];
+      ex.down.global = c.q.w2_scale_2[s].data_ptr<float>()[r];
+    }
+  }
+
   void gate_up(const Item& it) {
     const MoeCall& c = *c_;
     const CpuExecutorKernels& k = *c.kern;
@@ -246,12 +314,24 @@ class MoeChunkJob final : public ItemJob {
     yp.resize(m);
     float* G = gu.data();
     float* U = G + nj * m;
-    const uint16_t* const* x = xp_.data() + ex.first;
-    for (int64_t t = 0; t < m; ++t) yp[t] = G + t * nj;
-    k.dot_tile(ex.w13 + j0 * H, H, nj, x, m, H, yp.data());
-    for (int64_t t = 0; t < m; ++t) yp[t] = U + t * nj;
-    k.dot_tile(ex.w13 + (I + j0) * H, H, nj, x, m, H, yp.data());
-    for (int64_t t = 0; t < m; ++t) k.silu_mul_bf16(G + t * nj, U + t * nj, nj, c.hbuf + (ex.first + t) * I + j0);
+    if (c.q.format == kFormat_bf16) {
+      const uint16_t* const* x = xp_.data() + ex.first;
+      for (int64_t t = 0; t < m; ++t) yp[t] = G + t * nj;
+      k.dot_tile(ex.w13 + j0 * H, H, nj, x, m, H, yp.data());
+      for (int64_t t = 0; t < m; ++t) yp[t] = U + t * nj;
+      k.dot_tile(ex.w13 + (I + j0) * H, H, nj, x, m, H, yp.data());
+    } else {
+      const float* const* x = xfp_.data() + ex.first;
+      for (int64_t t = 0; t < m; ++t) yp[t] = G + t * nj;
+      k.dot_q(&ex.gate, j0, nj, x, m, H, yp.data());
+      for (int64_t t = 0; t < m; ++t) yp[t] = U + t * nj;
+      k.dot_q(&ex.up, I + j0, nj, x, m, H, yp.data());
+    }
+    for (int64_t t = 0; t < m; ++t) {
+      uint16_t* h = c.hbuf + (ex.first + t) * I;
+      k.silu_mul_bf16(G + t * nj, U + t * nj, nj, h + j0);
+      if (c.q.format != kFormat_bf16) quant_prep_x(c.q.format, h, j0, j0 + nj, I, false, hfp_[ex.first + t]);
+    }
   }
 
   void down(const Item& it) {
@@ -262,7 +342,10 @@ class MoeChunkJob final : public ItemJob {
     thread_local std::vector<float*> yp;
     yp.resize(m);
     for (int64_t t = 0; t < m; ++t) yp[t] = c.Y + static_cast<int64_t>(local_[ex.first + t]) * H + r0;
-    c.kern->dot_tile(ex.w2 + r0 * I, I, it.b1 - it.b0, hp_.data() + ex.first, m, I, yp.data());
+    if (c.q.format == kFormat_bf16)
+      c.kern->dot_tile(ex.w2 + r0 * I, I, it.b1 - it.b0, hp_.data() + ex.first, m, I, yp.data());
+    else
+      c.kern->dot_q(&ex.down, r0, it.b1 - it.b0, hfp_.data() + ex.first, m, I, yp.data());
   }
 
   void reduce(const Item& it) {
@@ -288,6 +371,8 @@ class MoeChunkJob final : public ItemJob {
   std::vector<Expert> experts_;
   std::vector<const uint16_t*> xp_;  // grouped position -> token activations
   std::vector<const uint16_t*> hp_;  // grouped position -> its h row
+  std::vector<const float*> xfp_;    // quantized: grouped position -> its x in dot_q's layout
+  std::vector<float*> hfp_;          // quantized: grouped position -> its h in dot_q's layout
   std::vector<int32_t> local_;       // grouped position -> entry index in the chunk
   std::vector<Item> items_;
   std::unique_ptr<int32_t[]> p1_total_;
@@ -328,14 +413,89 @@ void wait_and_release(ExpertPool& pool, int64_t handle) {
 
 // Validates the arguments, resolves each (t,k) to its set and row, and splits
 // the tokens into chunk jobs. Returns the jobs (empty when T == 0).
+// "bf16 (0), fp8 (1), ...": the formats' names and codes, for error messages.
+std::string format_values() {
+  std::string out;
+  int value = 0;
+#define SGLK_EXPERT_FORMAT_VALUE(name)                                                  \
+  out += (value ? ", " : "") + std::string(#name) + " (" + std::to_string(value) + ")"; \
+  ++value;
+  SGLK_EXPERT_FORMATS(SGLK_EXPERT_FORMAT_VALUE)
+#undef SGLK_EXPERT_FORMAT_VALUE
+  return out;
+}
+
+const char* format_name(int64_t format) {
+#define SGLK_EXPERT_FORMAT_NAME(name) #name,
+  static const char* names[] = {SGLK_EXPERT_FORMATS(SGLK_EXPERT_FORMAT_NAME)};
+#undef SGLK_EXPERT_FORMAT_NAME
+  return names[format];
+}
+
+// One per-expert tensor of a bank set: a contiguous CPU tensor of `dtype` and `shape`; `what`
+// names upstream's parameter it holds. Errors name the argument ("w13_scale[1]").
+void check_bank_tensor(const at::Tensor& t, const char* arg, size_t set, at::ScalarType dtype,
+                       const std::vector<int64_t>& shape, int64_t format, const char* what) {
+  MOE_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes().vec() == shape, arg, "[", set, "] must be a ",
+            c10::IntArrayRef(shape), " ", dtype, " CPU tensor (format ", format_name(format), ": ", what, "), got ",
+            t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  MOE_CHECK(t.is_contiguous(), arg, "[", set, "] must be contiguous (make the bank contiguous once at load time; ",
+            "the op never copies weights)");
+}
+
+// The per-set tensors of a quantized format: dtypes and shapes of upstream's create_weights for
+// an [N, 2I, H] / [N, H, I] expert pair (isa/cpu_executor_args.h).
+void check_quant_set(const QuantBanks& q, size_t i, const at::Tensor& a, const at::Tensor& b, int64_t N, int64_t H,
+                     int64_t I) {
+  const int64_t f = q.format;
+  auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  if (f == kFormat_fp8) {
+    check_bank_tensor(a, "w13", i, at::kFloat8_e4m3fn, {N, 2 * I, H}, f, "w13_weight");
+    check_bank_tensor(b, "w2", i, at::kFloat8_e4m3fn, {N, H, I}, f, "w2_weight");
+    check_bank_tensor(q.w13_scale[i], "w13_scale", i, at::kFloat,
+                      {N, ceil_div(2 * I, kFp8Block), ceil_div(H, kFp8Block)}, f,
+                      "w13_weight_scale_inv, one per 128 x 128 block");
+    check_bank_tensor(q.w2_scale[i], "w2_scale", i, at::kFloat, {N, ceil_div(H, kFp8Block), ceil_div(I, kFp8Block)}, f,
+                      "w2_weight_scale_inv, one per 128 x 128 block");
+    return;
+  }
+  const int64_t G = f == kFormat_mxfp4 ? kMxfp4Group : kNvfp4Group;
+  MOE_CHECK(H % G == 0 && I % G == 0, "format ", format_name(f), " needs H and I multiples of its scale group ", G,
+            ", got H = ", H, ", I = ", I);
+  const at::ScalarType sdt = f == kFormat_mxfp4 ? at::kByte : at::kFloat8_e4m3fn;
+  const char* sw = f == kFormat_mxfp4 ? "w13_weight_scale, e8m0 per 32" : "w13_weight_scale, e4m3 per 16";
+  const char* sw2 = f == kFormat_mxfp4 ? "w2_weight_scale, e8m0 per 32" : "w2_weight_scale, e4m3 per 16";
+  check_bank_tensor(a, "w13", i, at::kByte, {N, 2 * I, H / 2}, f, "w13_weight, two e2m1 codes per byte");
+  check_bank_tensor(b, "w2", i, at::kByte, {N, H, I / 2}, f, "w2_weight, two e2m1 codes per byte");
+  check_bank_tensor(q.w13_scale[i], "w13_scale", i, sdt, {N, 2 * I, H / G}, f, sw);
+  check_bank_tensor(q.w2_scale[i], "w2_scale", i, sdt, {N, H, I / G}, f, sw2);
+  if (f == kFormat_nvfp4) {
+    const at::Tensor& g = q.w13_scale_2[i];
+    const bool two = g.dim() == 2;
+    check_bank_tensor(g, "w13_scale_2", i, at::kFloat, two ? std::vector<int64_t>{N, 2} : std::vector<int64_t>{N}, f,
+                      "w13_weight_scale_2, [N, 2] (gate, up) or [N]");
+    check_bank_tensor(q.w2_scale_2[i], "w2_scale_2", i, at::kFloat, {N}, f, "w2_weight_scale_2");
+  }
+}
+
+// Validates the arguments, resolves each (t,k) to its set and row, and splits
+// the tokens into chunk jobs. Returns the jobs (empty when T == 0).
 std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const at::Tensor& topk_weights,
                                                 const std::vector<at::Tensor>& expert_rows,
                                                 const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2,
-                                                const at::Tensor& out, bool accumulate) {
+                                                const at::Tensor& out, bool accumulate, const QuantBanks& q) {
   const size_t S = expert_rows.size();
   MOE_CHECK(S >= 1 && w13.size() == S && w2.size() == S,
             "expert_rows, w13 and w2 must be lists of the same length >= 1 (one entry per bank set), got lengths ",
             expert_rows.size(), ", ", w13.size(), ", ", w2.size());
+  MOE_CHECK(q.format >= 0 && q.format < kFormatCount, "format must be one of ", format_values(), ", got ", q.format);
+  const bool nv = q.format == kFormat_nvfp4, quant = q.format != kFormat_bf16;
+  MOE_CHECK(q.w13_scale.size() == (quant ? S : 0) && q.w2_scale.size() == (quant ? S : 0) &&
+                q.w13_scale_2.size() == (nv ? S : 0) && q.w2_scale_2.size() == (nv ? S : 0),
+            "format ", format_name(q.format), " takes ", quant ? "one" : "no", " w13_scale / w2_scale per bank set",
+            nv ? " and one w13_scale_2 / w2_scale_2 per set" : (quant ? " and no w13_scale_2 / w2_scale_2" : ""), " (",
+            S, " sets), got lengths ", q.w13_scale.size(), ", ", q.w2_scale.size(), ", ", q.w13_scale_2.size(), ", ",
+            q.w2_scale_2.size());
   MOE_CHECK(
       hidden.device().is_cpu() && hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous(),
       "hidden must be a contiguous 2-D [T, H] bfloat16 CPU tensor, got ", hidden.scalar_type(), " ", hidden.sizes(),
@@ -360,10 +520,13 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   c.hidden = hidden;
   c.topk = topk_weights.contiguous();
   c.out = out;
+  c.q = q;
   c.T = T;
   c.K = K;
   c.H = H;
   c.I = I;
+  c.XH = quant_x_stride(H);
+  c.XI = quant_x_stride(I);
   c.accumulate = accumulate;
   c.kern = &cpu_executor_kernels();
   std::vector<int64_t> N(S);
@@ -371,19 +534,25 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
     const at::Tensor& a = w13[i];
     const at::Tensor& b = w2[i];
     const at::Tensor& r = expert_rows[i];
-    MOE_CHECK(
-        a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && a.dim() == 3 && a.size(1) == 2 * I && a.size(2) == H,
-        "w13[", i, "] must be a [N_", i, ", 2*I, H] = [N, ", 2 * I, ", ", H, "] bfloat16 CPU tensor, got ",
-        a.scalar_type(), " ", a.sizes());
-    MOE_CHECK(a.is_contiguous(), "w13[", i, "] must be contiguous (make the bank contiguous once at load time; the op ",
-              "never copies weights)");
-    N[i] = a.size(0);
-    MOE_CHECK(b.device().is_cpu() && b.scalar_type() == at::kBFloat16 && b.dim() == 3 && b.size(0) == N[i] &&
-                  b.size(1) == H && b.size(2) == I,
-              "w2[", i, "] must be a [N_", i, ", H, I] = [", N[i], ", ", H, ", ", I,
-              "] bfloat16 CPU tensor (N_i as w13[i]), got ", b.scalar_type(), " ", b.sizes());
-    MOE_CHECK(b.is_contiguous(), "w2[", i, "] must be contiguous (make the bank contiguous once at load time; the op ",
-              "never copies weights)");
+    if (quant) {
+      MOE_CHECK(a.dim() == 3, "w13[", i, "] must be 3-D [N_", i, ", 2*I, ...], got shape ", a.sizes());
+      N[i] = a.size(0);
+      check_quant_set(q, i, a, b, N[i], H, I);
+    } else {
+      MOE_CHECK(a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && a.dim() == 3 && a.size(1) == 2 * I &&
+                    a.size(2) == H,
+                "w13[", i, "] must be a [N_", i, ", 2*I, H] = [N, ", 2 * I, ", ", H, "] bfloat16 CPU tensor, got ",
+                a.scalar_type(), " ", a.sizes());
+      MOE_CHECK(a.is_contiguous(), "w13[", i,
+                "] must be contiguous (make the bank contiguous once at load time; the op ", "never copies weights)");
+      N[i] = a.size(0);
+      MOE_CHECK(b.device().is_cpu() && b.scalar_type() == at::kBFloat16 && b.dim() == 3 && b.size(0) == N[i] &&
+                    b.size(1) == H && b.size(2) == I,
+                "w2[", i, "] must be a [N_", i, ", H, I] = [", N[i], ", ", H, ", ", I,
+                "] bfloat16 CPU tensor (N_i as w13[i]), got ", b.scalar_type(), " ", b.sizes());
+      MOE_CHECK(b.is_contiguous(), "w2[", i,
+                "] must be contiguous (make the bank contiguous once at load time; the op ", "never copies weights)");
+    }
     MOE_CHECK(r.device().is_cpu() && r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == T && r.size(1) == K,
               "expert_rows[", i, "] must be a [T, K] = [", T, ", ", K, "] int32 CPU tensor (K as topk_weights), got ",
               r.scalar_type(), " ", r.sizes());
@@ -410,12 +579,20 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
 
   std::vector<std::shared_ptr<PoolJob>> jobs;
   if (T == 0 || H == 0) return jobs;  // nothing to write
-  const int64_t per_token = std::max<int64_t>(1, K * (4 * H + 2 * I));
+  // quantized formats add h in dot_q's layout (fp32) per chunk token, and x in it for all T
+  const int64_t q_token = quant ? K * 4 * c.XI : 0;
+  const int64_t per_token = std::max<int64_t>(1, K * (4 * H + 2 * I) + q_token);
   const int64_t chunk = std::clamp<int64_t>(scratch_budget() / per_token, 1, T);
-  const int64_t y_bytes = chunk * K * H * 4;
-  c.scratch = ScratchCache::get().take(static_cast<size_t>(y_bytes + chunk * K * I * 2 + 64));
+  auto align = [](int64_t b) { return (b + 63) / 64 * 64; };
+  const int64_t y_bytes = align(chunk * K * H * 4), h_bytes = align(chunk * K * I * 2);
+  const int64_t xf_bytes = quant ? align(T * c.XH * 4) : 0, hf_bytes = quant ? chunk * K * c.XI * 4 : 0;
+  c.scratch = ScratchCache::get().take(static_cast<size_t>(y_bytes + h_bytes + xf_bytes + hf_bytes + 64));
   c.Y = reinterpret_cast<float*>(c.scratch.get());
-  c.hbuf = reinterpret_cast<uint16_t*>(c.scratch.get() + (y_bytes + 63) / 64 * 64);
+  c.hbuf = reinterpret_cast<uint16_t*>(c.scratch.get() + y_bytes);
+  if (quant) {
+    c.xf = reinterpret_cast<float*>(c.scratch.get() + y_bytes + h_bytes);
+    c.hf = reinterpret_cast<float*>(c.scratch.get() + y_bytes + h_bytes + xf_bytes);
+  }
   for (int64_t t0 = 0; t0 < T; t0 += chunk)
     jobs.push_back(std::make_shared<MoeChunkJob>(call, t0, std::min(T, t0 + chunk)));
   return jobs;
@@ -447,17 +624,35 @@ class ReadJob final : public ItemJob {
 
 }  // namespace
 
+QuantBanks quant_banks(int64_t format, const OptTensorList& w13_scale, const OptTensorList& w2_scale,
+                       const OptTensorList& w13_scale_2, const OptTensorList& w2_scale_2) {
+  QuantBanks q;
+  q.format = format;
+  auto vec = [](const OptTensorList& l) { return l ? l->vec() : std::vector<at::Tensor>{}; };
+  q.w13_scale = vec(w13_scale);
+  q.w2_scale = vec(w2_scale);
+  q.w13_scale_2 = vec(w13_scale_2);
+  q.w2_scale_2 = vec(w2_scale_2);
+  return q;
+}
+
 void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
-                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate) {
-  auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate);
+                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
+                     const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
+                     const OptTensorList& w2_scale_2) {
+  auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate,
+                        quant_banks(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2));
   if (jobs.empty()) return;
   ExpertPool& pool = ExpertPool::get();
   wait_and_release(pool, pool.submit(std::move(jobs)));
 }
 
 int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
-                               at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate) {
-  auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate);
+                               at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate,
+                               int64_t format, const OptTensorList& w13_scale, const OptTensorList& w2_scale,
+                               const OptTensorList& w13_scale_2, const OptTensorList& w2_scale_2) {
+  auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate,
+                        quant_banks(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2));
   return ExpertPool::get().submit(std::move(jobs));
 }
 
@@ -471,6 +666,12 @@ int64_t expert_pool_set_threads(int64_t n) {
 }
 
 std::string expert_pool_info() { return ExpertPool::get().info(); }
+
+std::vector<std::string> expert_format_names() {
+#define SGLK_EXPERT_FORMAT_NAME(name) #name,
+  return {SGLK_EXPERT_FORMATS(SGLK_EXPERT_FORMAT_NAME)};
+#undef SGLK_EXPERT_FORMAT_NAME
+}
 
 double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes) {
   TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous(),

@@ -17,16 +17,22 @@
 #include <mutex>
 #include <vector>
 
+#include "common.h"
+
 namespace sglk {
 
 void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
-                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate);
+                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
+                     const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
+                     const OptTensorList& w2_scale_2);
 
 namespace {
 
 struct MoePlan {
   at::Tensor hidden, weights, rows, out;
   std::vector<at::Tensor> w13, w2;
+  int64_t format = 0;
+  std::vector<at::Tensor> w13_scale, w2_scale, w13_scale_2, w2_scale_2;
 };
 
 std::mutex g_plans_mu;
@@ -43,7 +49,9 @@ MoePlan& plan_at(int64_t plan) {
 
 int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor& staging_weights,
                              const at::Tensor& staging_rows, at::TensorList w13, at::TensorList w2,
-                             const at::Tensor& staging_out) {
+                             const at::Tensor& staging_out, int64_t format, const OptTensorList& w13_scale,
+                             const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
+                             const OptTensorList& w2_scale_2) {
   TORCH_CHECK(
       staging_hidden.dim() == 2 && staging_weights.dim() == 2 && staging_rows.dim() == 2 && staging_out.dim() == 2,
       "moe_experts_cpu_plan: staging tensors must be 2-D ([Tmax, H], [Tmax, K], [Tmax, K], [Tmax, H])");
@@ -59,7 +67,7 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
   {
     std::vector<at::Tensor> rows{staging_rows.narrow(0, 0, 0)};
     moe_experts_cpu(staging_hidden.narrow(0, 0, 0), staging_weights.narrow(0, 0, 0), rows, w13, w2,
-                    staging_out.narrow(0, 0, 0), false);
+                    staging_out.narrow(0, 0, 0), false, format, w13_scale, w2_scale, w13_scale_2, w2_scale_2);
   }
   auto p = std::make_unique<MoePlan>();
   p->hidden = staging_hidden;
@@ -68,6 +76,12 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
   p->out = staging_out;
   p->w13 = w13.vec();
   p->w2 = w2.vec();
+  p->format = format;
+  auto vec = [](const OptTensorList& l) { return l ? l->vec() : std::vector<at::Tensor>{}; };
+  p->w13_scale = vec(w13_scale);
+  p->w2_scale = vec(w2_scale);
+  p->w13_scale_2 = vec(w13_scale_2);
+  p->w2_scale_2 = vec(w2_scale_2);
   std::lock_guard<std::mutex> lock(g_plans_mu);
   g_plans.push_back(std::move(p));
   return static_cast<int64_t>(g_plans.size()) - 1;
@@ -79,7 +93,7 @@ void moe_experts_cpu_run_plan(int64_t plan, int64_t tokens) {
               p.hidden.size(0), "] (the plan's staging rows), got ", tokens);
   std::vector<at::Tensor> rows{p.rows.narrow(0, 0, tokens)};
   moe_experts_cpu(p.hidden.narrow(0, 0, tokens), p.weights.narrow(0, 0, tokens), rows, p.w13, p.w2,
-                  p.out.narrow(0, 0, tokens), false);
+                  p.out.narrow(0, 0, tokens), false, p.format, p.w13_scale, p.w2_scale, p.w13_scale_2, p.w2_scale_2);
 }
 
 }  // namespace sglk

@@ -312,14 +312,18 @@ void expert_bank_copy_cpu(const std::vector<at::Tensor>& src_banks, const std::v
     at::parallel_for(0, q * nb, 1, copy);
 }
 
-// The names of one enumeration of csrc/shared/expert_cache.h in value order: "miss_policy" or
-// "stat" (the order of `counts` and `stats`).
+std::vector<std::string> expert_format_names();  // cpu_executor.cpp
+
+// The names of one enumeration in value order: "miss_policy" or "stat" (the order of `counts`
+// and `stats`) of csrc/shared/expert_cache.h, or "expert_format" (the CPU executor's `format`
+// codes, SGLK_EXPERT_FORMATS of isa/cpu_executor_args.h).
 std::vector<std::string> expert_cache_enum(const std::string& kind) {
+  if (kind == "expert_format") return expert_format_names();
 #define SGLK_EXPERT_CACHE_NAME(name) #name,
   if (kind == "miss_policy") return {SGLK_EXPERT_CACHE_MISS_POLICIES(SGLK_EXPERT_CACHE_NAME)};
   if (kind == "stat") return {SGLK_EXPERT_CACHE_STATS(SGLK_EXPERT_CACHE_NAME)};
 #undef SGLK_EXPERT_CACHE_NAME
-  TORCH_CHECK(false, "expert_cache_enum: kind must be miss_policy or stat, got '", kind, "'");
+  TORCH_CHECK(false, "expert_cache_enum: kind must be miss_policy, stat or expert_format, got '", kind, "'");
 }
 
 // [E, F] limits of the CUDA control kernel, for the host-side startup checks.

@@ -32,6 +32,36 @@ results of one routing merge exactly. Different ISA levels differ in the last
 bits of the float32 sums (and so, rarely, in the bf16 rounding of an element of
 ``h``).
 
+Quantized experts (``format``; weight-only: activations stay bf16, products and sums float32,
+as above, with ``w13`` / ``w2`` meaning the dequantized weights). The banks are the layer quant
+method's per-expert tensors exactly as upstream 0.5.23's ``create_weights`` makes them (leading
+dimension the bank row), decoded in registers, never copied (``csrc/cpu/isa/cpu_executor_kernels.h``):
+
+========  ===========================================  ===========================================
+format    w13 / w2                                     w13_scale / w2_scale (+ nvfp4's globals)
+========  ===========================================  ===========================================
+bf16      ``[N, 2I, H]`` / ``[N, H, I]`` bfloat16      none
+fp8       same shapes, ``float8_e4m3fn``               float32 ``[N, ceil(2I/128), ceil(H/128)]`` /
+          (``Fp8MoEMethod``, block quantized)          ``[N, ceil(H/128), ceil(I/128)]``
+                                                       (``w*_weight_scale_inv``): weight = fp8 *
+                                                       the scale of its 128 x 128 block
+mxfp4     uint8 ``[N, 2I, H/2]`` / ``[N, H, I/2]``:    uint8 e8m0 ``[N, 2I, H/32]`` /
+          two e2m1 codes per byte, element 2j in the   ``[N, H, I/32]`` (``w*_weight_scale``):
+          low nibble (``Mxfp4MoEMethod``)              weight = e2m1 * 2^(scale - 127)
+nvfp4     as mxfp4 (``ModelOptNvFp4FusedMoEMethod``,   ``float8_e4m3fn`` ``[N, 2I, H/16]`` /
+          unswizzled)                                  ``[N, H, I/16]``; ``w13_scale_2`` float32
+                                                       ``[N, 2]`` (gate, up) or ``[N]``,
+                                                       ``w2_scale_2`` ``[N]``
+                                                       (``w*_weight_scale_2``): weight = e2m1 *
+                                                       fp8(scale) * global
+========  ===========================================  ===========================================
+
+mxfp4 and nvfp4 need H and I multiples of 32 / 16 (their group). e2m1 values are
+0, 0.5, 1, 1.5, 2, 3, 4, 6 with a sign bit (code bit 3). Each dequantized weight is
+``fp32(code value * scale)`` (nvfp4: ``scale = fp32(fp8(scale) * global)``), the same value at
+every ISA level; the float64 references are ``sglang.srt.layers.moe.expert_cache.formats``.
+Exactness across thread counts, bank-set splits and token chunks holds for every format.
+
 Threads: created on first use, one per physical core of the process's affinity
 set (``expert_pool_set_threads`` changes it), pinned with ``sched_setaffinity``;
 idle threads spin ``SGLANG_CPU_EXPERT_SPIN_US`` microseconds (default 20) before
@@ -39,11 +69,58 @@ sleeping. Scratch per call: ``T*K*(4*H + 2*I)`` bytes, in token chunks of at
 most ``SGLANG_CPU_EXPERT_SCRATCH_MB`` (default 64) MB, cached between calls.
 """
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 _ops = torch.ops.sgl_kernel
+
+
+def expert_formats() -> list:
+    """The ``format`` names in code order (``bf16``, ``fp8``, ``mxfp4``, ``nvfp4``), from the
+    one definition, ``SGLK_EXPERT_FORMATS`` in ``csrc/cpu/isa/cpu_executor_args.h``."""
+    return list(_ops.expert_cache_enum("expert_format"))
+
+
+def format_code(fmt: Union[str, int]) -> int:
+    """The op's ``format`` code of a name of :func:`expert_formats` (an int passes through).
+
+    Raises:
+        ValueError: an unknown name, with the supported list.
+    """
+    if isinstance(fmt, int):
+        return fmt
+    names = expert_formats()
+    if fmt not in names:
+        raise ValueError(
+            f"unknown expert format {fmt!r}; the CPU executor reads {', '.join(names)}"
+        )
+    return names.index(fmt)
+
+
+def _call_args(a: dict) -> tuple:
+    """The op's positional arguments from the Python signature's values ``a``."""
+    return (
+        a["hidden"],
+        a["topk_weights"],
+        list(a["expert_rows"]),
+        list(a["w13"]),
+        list(a["w2"]),
+        a["out"],
+        a["accumulate"],
+        *_quant_args(a["format"], a["w13_scale"], a["w2_scale"], a["w13_scale_2"], a["w2_scale_2"]),
+    )
+
+
+def _quant_args(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2):
+    return (
+        format_code(format),
+        list(w13_scale),
+        list(w2_scale),
+        list(w13_scale_2),
+        list(w2_scale_2),
+    )
+
 
 __all__ = [
     "moe_experts_cpu",
@@ -52,6 +129,8 @@ __all__ = [
     "expert_pool_set_threads",
     "expert_pool_info",
     "expert_pool_read_bandwidth",
+    "expert_formats",
+    "format_code",
     "CpuBranchPlan",
 ]
 
@@ -64,6 +143,11 @@ def moe_experts_cpu(
     w2: Sequence[torch.Tensor],
     out: torch.Tensor,
     accumulate: bool = False,
+    format: Union[str, int] = "bf16",
+    w13_scale: Sequence[torch.Tensor] = (),
+    w2_scale: Sequence[torch.Tensor] = (),
+    w13_scale_2: Sequence[torch.Tensor] = (),
+    w2_scale_2: Sequence[torch.Tensor] = (),
 ) -> None:
     """Routed experts on the CPU pool; blocks until ``out`` is written.
 
@@ -83,17 +167,23 @@ def moe_experts_cpu(
             ``w2_weight``), ``N_i`` as in ``w13[i]``.
         out: ``[T, H]`` float32 contiguous, written in place.
         accumulate: ``out += result`` instead of ``out = result``.
+        format: a name of :func:`expert_formats` or its code; for a quantized
+            format ``w13`` / ``w2`` hold its packed weights (module doc table).
+        w13_scale, w2_scale: one scale bank per set for a quantized format
+            (empty for bf16).
+        w13_scale_2, w2_scale_2: nvfp4 only: one global-scale tensor per set.
 
     Raises:
         RuntimeError: naming the argument to fix, for a wrong dtype, device,
-            shape or contiguity; ``expert_rows[i]`` whose K differs from
-            ``topk_weights``; a row outside ``[0, N_i)`` (other than -1); a
+            shape or contiguity (of a weight or scale bank: with the format and
+            upstream's parameter it holds); ``expert_rows[i]`` whose K differs
+            from ``topk_weights``; a row outside ``[0, N_i)`` (other than -1); a
             (t, k) with rows in two sets; ``expert_rows``, ``w13`` and ``w2``
-            of unequal lengths (or empty).
+            of unequal lengths (or empty); scale lists that do not match the
+            format (one per set, none for bf16); an unknown format code.
+        ValueError: an unknown format name.
     """
-    _ops.moe_experts_cpu(
-        hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate
-    )
+    _ops.moe_experts_cpu(*_call_args(locals()))
 
 
 def moe_experts_cpu_submit(
@@ -104,6 +194,11 @@ def moe_experts_cpu_submit(
     w2: Sequence[torch.Tensor],
     out: torch.Tensor,
     accumulate: bool = False,
+    format: Union[str, int] = "bf16",
+    w13_scale: Sequence[torch.Tensor] = (),
+    w2_scale: Sequence[torch.Tensor] = (),
+    w13_scale_2: Sequence[torch.Tensor] = (),
+    w2_scale_2: Sequence[torch.Tensor] = (),
 ) -> int:
     """Starts :func:`moe_experts_cpu` on the pool and returns at once.
 
@@ -121,9 +216,7 @@ def moe_experts_cpu_submit(
     Returns:
         int handle for :func:`moe_experts_cpu_wait`.
     """
-    return _ops.moe_experts_cpu_submit(
-        hidden, topk_weights, list(expert_rows), list(w13), list(w2), out, accumulate
-    )
+    return _ops.moe_experts_cpu_submit(*_call_args(locals()))
 
 
 def moe_experts_cpu_wait(handle: int) -> None:
@@ -195,18 +288,31 @@ class CpuBranchPlan:
     Args:
         max_tokens: staging rows (the largest batch :meth:`enqueue` takes).
         top_k: K of ``topk_weights`` / ``cpu_rows``.
-        w13: ``[N, 2*I, H]`` bf16 contiguous CPU bank (the host pool).
-        w2: ``[N, H, I]`` bf16 contiguous CPU bank.
+        w13: ``[N, 2*I, H]`` bf16 contiguous CPU bank (the host pool), or a
+            quantized format's packed w13 bank.
+        w2: ``[N, H, I]`` bf16 contiguous CPU bank (or the packed w2 bank).
         pin: page-lock the staging tensors (needs CUDA; False for CPU-only tests).
+        format, w13_scale, w2_scale, w13_scale_2, w2_scale_2: as for
+            :func:`moe_experts_cpu`, single tensors (one bank set) or None.
 
     Raises:
         RuntimeError: banks of the wrong dtype, layout or device (the executor's checks).
     """
 
     def __init__(
-        self, max_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, pin: bool = True
+        self,
+        max_tokens: int,
+        top_k: int,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        pin: bool = True,
+        format: Union[str, int] = "bf16",
+        w13_scale=None,
+        w2_scale=None,
+        w13_scale_2=None,
+        w2_scale_2=None,
     ):
-        H = w13.shape[2]
+        H = w2.shape[1]
         alloc = dict(device="cpu", pin_memory=pin)
         self.max_tokens = max_tokens
         self.hidden = torch.zeros(max_tokens, H, dtype=torch.bfloat16, **alloc)
@@ -214,8 +320,18 @@ class CpuBranchPlan:
         self.rows = torch.full((max_tokens, top_k), -1, dtype=torch.int32, **alloc)
         self.out = torch.zeros(max_tokens, H, dtype=torch.float32, **alloc)
         self.w13, self.w2 = w13, w2
+
+        def one(t):
+            return [] if t is None else [t]
+
         self.handle = _ops.moe_experts_cpu_plan(
-            self.hidden, self.weights, self.rows, [w13], [w2], self.out
+            self.hidden,
+            self.weights,
+            self.rows,
+            [w13],
+            [w2],
+            self.out,
+            *_quant_args(format, one(w13_scale), one(w2_scale), one(w13_scale_2), one(w2_scale_2)),
         )
 
     def run(self, tokens: int) -> None:

@@ -14,13 +14,73 @@
 //    horizontal reduction;
 //  * silu_mul_bf16 and weighted_sum are element-wise and give the same value
 //    for an element wherever it falls in the range (tails are computed through
-//    zero-padded full vectors, never through a different scalar formula).
+//    zero-padded full vectors, never through a different scalar formula);
+//  * dot_q is dot_tile for a quantized weight matrix: one accumulator per
+//    (row, column), the format's steps in index order, the weights decoded
+//    (and scaled) in registers the same way in every tile shape, the same
+//    horizontal reduction as dot_tile's at each level.
 #pragma once
 
 #include <stddef.h>
 #include <stdint.h>
 
 namespace sglk {
+
+// The expert weight formats the executor reads, in code order (the op's `format` argument;
+// Python reads the names through expert_cache_enum("expert_format")):
+//   bf16   w [rows, n] bf16
+//   fp8    w [rows, n] float8_e4m3fn, scale [ceil(rows/128), ceil(n/128)] f32: value =
+//          fp8(w) * scale of its 128 x 128 block (upstream Fp8MoEMethod, weight_scale_inv)
+//   mxfp4  w [rows, n/2] uint8, e2m1 codes two per byte (element 2j in the low nibble, 2j+1 in
+//          the high one), scale [rows, n/32] uint8 e8m0: value = e2m1 * 2^(scale - 127)
+//          (upstream Mxfp4MoEMethod, OCP MX)
+//   nvfp4  w as mxfp4, scale [rows, n/16] float8_e4m3fn, one f32 global scale per matrix
+//          (weight_scale_2): value = e2m1 * fp8(scale) * global (upstream
+//          ModelOptNvFp4FusedMoEMethod, the unswizzled layout create_weights makes)
+#define SGLK_EXPERT_FORMATS(X) X(bf16) X(fp8) X(mxfp4) X(nvfp4)
+#define SGLK_EXPERT_FORMAT_ENUMERATOR(name) kFormat_##name,
+enum ExpertFormatCode : int32_t { SGLK_EXPERT_FORMATS(SGLK_EXPERT_FORMAT_ENUMERATOR) kFormatCount };
+#undef SGLK_EXPERT_FORMAT_ENUMERATOR
+
+// Elements along K per scale group (fp8: the 128-wide block; its 128-row extent is kFp8Block too).
+static constexpr int64_t kFp8Block = 128;
+static constexpr int64_t kMxfp4Group = 32;
+static constexpr int64_t kNvfp4Group = 16;
+
+// One quantized weight matrix (fp8, mxfp4 or nvfp4) of an expert, rows of n elements along K.
+struct QuantMatrix {
+  int32_t format;     // kFormat_fp8 | kFormat_mxfp4 | kFormat_nvfp4
+  const uint8_t* w;   // row 0 of the matrix; row r at w + r * w_rs
+  int64_t w_rs;       // bytes per row: n (fp8) or n / 2 (4-bit)
+  const void* scale;  // row 0's scales: fp8 f32 [ceil(rows/128), scale_rs]; mxfp4 uint8 and nvfp4
+                      // float8_e4m3fn [rows, scale_rs]
+  int64_t scale_rs;   // scale elements per scale row
+  float global;       // nvfp4: the matrix's global scale; 1 otherwise
+};
+
+// Floats per activation row given to dot_q (x rows are zero-padded to this length).
+static inline int64_t quant_x_stride(int64_t n) { return (n + 31) / 32 * 32; }
+
+// Position of element i in dot_q's activation layout for `format`: the identity for fp8; for the
+// 4-bit formats, within every 16 elements the even ones first, then the odd ones (the order in
+// which 8 packed bytes decode: low nibbles, then high nibbles). Every ISA level uses this layout.
+static inline int64_t quant_x_pos(int32_t format, int64_t i) {
+  if (format == kFormat_fp8) return i;
+  const int64_t j = i & 15;
+  return (i - j) + (j >> 1) + ((j & 1) << 3);
+}
+
+// xf[quant_x_pos(format, i)] = float(x[i]) for i0 <= i < i1 (x: bf16 bits); with pad, also
+// xf[i] = 0 for n <= i < quant_x_stride(n).
+static inline void quant_prep_x(int32_t format, const uint16_t* x, int64_t i0, int64_t i1, int64_t n, bool pad,
+                                float* xf) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint32_t u = static_cast<uint32_t>(x[i]) << 16;
+    __builtin_memcpy(xf + quant_x_pos(format, i), &u, 4);
+  }
+  if (pad)
+    for (int64_t i = n; i < quant_x_stride(n); ++i) xf[i] = 0.0f;
+}
 
 struct CpuExecutorKernels {
   const char* name;  // "scalar" | "avx2" | "avx512" | "avx512bf16"
@@ -38,6 +98,13 @@ struct CpuExecutorKernels {
   // r = 0; for k < nk: r = fma(ws[k], ys[k][i], r);  out[i] = accumulate ? out[i] + r : r
   // for i < n (k in order; fma is a single rounding on the SIMD levels).
   void (*weighted_sum)(float* out, int64_t n, const float* const* ys, const float* ws, int64_t nk, int32_t accumulate);
+
+  // y[c][r] = sum_{i<n} dequant(m, r0 + r, i) * x[c][i] for r < rows, c < cols, with x in the
+  // format's activation layout written by prep_x (fp32, quant_x_stride(n) floats per row):
+  // products and sums in fp32. n must be a multiple of the format's group for the 4-bit
+  // formats (the op checks).
+  void (*dot_q)(const QuantMatrix* m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
+                float* const* y);
 
   // Reads `bytes` bytes from p (64-byte aligned, bytes a multiple of 256) with
   // full-width loads and returns a value that depends on all of them (so the

@@ -321,6 +321,205 @@ static void dot_tile(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16
   }
 }
 
+// ------------------------------------------------------------ quantized dots
+// dot_q (see cpu_executor_args.h): the weights of a step are decoded in registers, scaled, and
+// fma'd with fp32 activations in the layout of quant_x_pos; nothing is written back.
+//  * fp8 (e4m3fn): sign-extended to 16 bits, shifted left by 7 and masked, a byte becomes the
+//    fp16 number fp8 * 2^-8 (the 4 exponent bits land in fp16's 5, subnormals included:
+//    vcvtph2ps takes them exactly); multiplied by scale * 2^8, an exact power-of-two change, so
+//    the weight is fp32(fp8 * scale) at every level. The NaN codes 0x7f / 0xff decode as
+//    +-480 * scale (checkpoints hold none).
+//  * 4-bit (e2m1): 8 bytes are 16 codes; a table of the 8 (AVX2: vpermps) or 16 (AVX-512:
+//    vpermps on zmm) code values, multiplied by the group's scale once per group, is indexed by
+//    the codes. AVX2 carries the sign in bit 3 of the code: each table entry is stored xor'ed
+//    with its index << 28 and the code << 28 is xor'ed back, which leaves the value with the
+//    code's sign bit. The weight is fp32(e2m1 * s) at every level, s = 2^(e - 127) (mxfp4) or
+//    fp32(fp8(scale) * global) (nvfp4).
+
+static const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float bits_f32(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+// float8_e4m3fn -> fp32 (exact; 0x7f / 0xff, the NaN codes, give NaN).
+static inline float fp8e4m3_to_f32(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24, e = (b >> 3) & 15u, m = b & 7u;
+  if (e == 15 && m == 7) return bits_f32(0x7fc00000u);
+  if (e == 0) return sign ? -0.001953125f * static_cast<float>(m) : 0.001953125f * static_cast<float>(m);  // m 2^-9
+  return bits_f32(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// e8m0 -> fp32: 2^(e - 127); 0 gives 2^-127 (an fp32 subnormal), 255 (NaN in OCP MX) gives inf.
+static inline float e8m0_to_f32(uint8_t e) { return e == 0 ? bits_f32(0x00400000u) : bits_f32(uint32_t{e} << 23); }
+
+// The value a 4-bit group's codes are multiplied by.
+template <int FMT>
+static inline float fp4_group_scale(const QuantMatrix& m, const uint8_t* s, int64_t g) {
+  if constexpr (FMT == kFormat_mxfp4)
+    return e8m0_to_f32(s[g]);
+  else
+    return fp8e4m3_to_f32(s[g]) * m.global;
+}
+
+#if SGLK_ISA_LEVEL == 2
+static constexpr float kFp8Mul = 256.0f;  // undoes the 2^-8 of the fp16 decode
+static inline __attribute__((always_inline)) vf fp8_load(const uint8_t* p) {
+  const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
+}
+static constexpr int FP4_NV = 1;  // vectors per 16 codes
+typedef __m512 fp4_table;
+static inline __attribute__((always_inline)) fp4_table fp4_make_table(float s) {
+  return _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(s));
+}
+static inline __attribute__((always_inline)) void fp4_decode(const uint8_t* p, fp4_table t, vf* out) {
+  int64_t q;
+  __builtin_memcpy(&q, p, 8);
+  __m512i v = _mm512_cvtepu8_epi32(_mm_set1_epi64x(q));
+  v = _mm512_srlv_epi32(v, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4));
+  out[0] = _mm512_permutexvar_ps(v, t);
+}
+#elif SGLK_ISA_LEVEL == 1
+static constexpr float kFp8Mul = 256.0f;
+static inline __attribute__((always_inline)) vf fp8_load(const uint8_t* p) {
+  const __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<short>(0xBF80))));
+}
+static constexpr int FP4_NV = 2;
+typedef __m256 fp4_table;
+static inline __attribute__((always_inline)) fp4_table fp4_make_table(float s) {
+  const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(kE2M1), _mm256_set1_ps(s));
+  return _mm256_xor_ps(
+      t, _mm256_castsi256_ps(_mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28)));
+}
+static inline __attribute__((always_inline)) void fp4_decode(const uint8_t* p, fp4_table t, vf* out) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i vh = _mm256_srli_epi32(v, 4);
+  out[0] = _mm256_xor_ps(_mm256_permutevar8x32_ps(t, v), _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+  out[1] = _mm256_xor_ps(_mm256_permutevar8x32_ps(t, vh), _mm256_castsi256_ps(_mm256_slli_epi32(vh, 28)));
+}
+#else
+static constexpr float kFp8Mul = 1.0f;
+static inline vf fp8_load(const uint8_t* p) { return fp8e4m3_to_f32(*p); }
+static constexpr int FP4_NV = 16;
+typedef float fp4_table;  // the group scale
+static inline fp4_table fp4_make_table(float s) { return s; }
+static inline void fp4_decode(const uint8_t* p, fp4_table s, vf* out) {
+  for (int j = 0; j < 8; ++j) {
+    out[j] = kE2M1[p[j] & 15] * s;
+    out[j + 8] = kE2M1[p[j] >> 4] * s;
+  }
+}
+#endif
+
+// Rows per quantized tile for C tokens, per level (accumulators, tables and decoded weights
+// must fit the register file: 16 ymm on AVX2, 32 zmm on AVX-512).
+template <int C>
+struct QuantRows {
+#if SGLK_ISA_LEVEL == 2
+  static constexpr int R = 4;
+#elif SGLK_ISA_LEVEL == 1
+  static constexpr int R = C == 1 ? 4 : 2;
+#else
+  static constexpr int R = 1;
+#endif
+};
+
+template <int R, int C>
+static inline __attribute__((always_inline)) void quant_reduce(vf (&acc)[R][C], float* const* y, int64_t yo) {
+#if SGLK_ISA_LEVEL == 2
+  reduce_tile<R, C>(acc, y, yo);
+#else
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) y[c][yo + r] = v_hsum(acc[r][c]);
+#endif
+}
+
+// The R x C dots of matrix rows row..row+R-1 with x[0..C); writes y[c][yo + r].
+template <int FMT, int R, int C>
+static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* const* x, int64_t n, float* const* y,
+                              int64_t yo) {
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = v_zero();
+  const uint8_t* w[R];
+  for (int r = 0; r < R; ++r) w[r] = m.w + (row + r) * m.w_rs;
+  if constexpr (FMT == kFormat_fp8) {
+    const float* s[R];
+    for (int r = 0; r < R; ++r) s[r] = static_cast<const float*>(m.scale) + ((row + r) / kFp8Block) * m.scale_rs;
+    vf sv[R];
+    for (int64_t i = 0; i < n; i += VW) {
+      if (i % kFp8Block == 0)
+        for (int r = 0; r < R; ++r) sv[r] = v_set1(s[r][i / kFp8Block] * kFp8Mul);
+      vf wv[R];
+      if (i + VW <= n) {
+        for (int r = 0; r < R; ++r) wv[r] = v_mul(fp8_load(w[r] + i), sv[r]);
+      } else {  // the zero-padded last chunk (x rows are zero-padded too)
+        for (int r = 0; r < R; ++r) {
+          uint8_t t[VW] = {};
+          __builtin_memcpy(t, w[r] + i, n - i);
+          wv[r] = v_mul(fp8_load(t), sv[r]);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        const vf xv = v_load(x[c] + i);
+        for (int r = 0; r < R; ++r) acc[r][c] = v_fma(wv[r], xv, acc[r][c]);
+      }
+    }
+  } else {
+    constexpr int64_t G = FMT == kFormat_mxfp4 ? kMxfp4Group : kNvfp4Group;
+    const uint8_t* s[R];
+    for (int r = 0; r < R; ++r) s[r] = static_cast<const uint8_t*>(m.scale) + (row + r) * m.scale_rs;
+    fp4_table tab[R];
+    for (int64_t i = 0; i < n; i += 16) {
+      if (i % G == 0)
+        for (int r = 0; r < R; ++r) tab[r] = fp4_make_table(fp4_group_scale<FMT>(m, s[r], i / G));
+      vf wv[R][FP4_NV];
+      for (int r = 0; r < R; ++r) fp4_decode(w[r] + i / 2, tab[r], wv[r]);
+      for (int v = 0; v < FP4_NV; ++v)
+        for (int c = 0; c < C; ++c) {
+          const vf xv = v_load(x[c] + i + v * VW);
+          for (int r = 0; r < R; ++r) acc[r][c] = v_fma(wv[r][v], xv, acc[r][c]);
+        }
+    }
+  }
+  quant_reduce<R, C>(acc, y, yo);
+}
+
+template <int FMT, int C>
+static inline void qdot_rows(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t n,
+                             float* const* y) {
+  constexpr int R = QuantRows<C>::R;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) qdot_micro<FMT, R, C>(m, r0 + r, x, n, y, r);
+  for (; r < rows; ++r) qdot_micro<FMT, 1, C>(m, r0 + r, x, n, y, r);
+}
+
+template <int FMT>
+static void qdot_format(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
+                        float* const* y) {
+  int64_t c = 0;
+  for (; c + 4 <= cols; c += 4) qdot_rows<FMT, 4>(m, r0, rows, x + c, n, y + c);
+  if (cols - c == 1) qdot_rows<FMT, 1>(m, r0, rows, x + c, n, y + c);
+  if (cols - c == 2) qdot_rows<FMT, 2>(m, r0, rows, x + c, n, y + c);
+  if (cols - c == 3) qdot_rows<FMT, 3>(m, r0, rows, x + c, n, y + c);
+}
+
+static void dot_q(const QuantMatrix* m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
+                  float* const* y) {
+  if (rows <= 0 || cols <= 0) return;
+  if (m->format == kFormat_fp8)
+    qdot_format<kFormat_fp8>(*m, r0, rows, x, cols, n, y);
+  else if (m->format == kFormat_mxfp4)
+    qdot_format<kFormat_mxfp4>(*m, r0, rows, x, cols, n, y);
+  else if (m->format == kFormat_nvfp4)
+    qdot_format<kFormat_nvfp4>(*m, r0, rows, x, cols, n, y);
+}
+
 // --------------------------------------------------------------- elementwise
 static inline void silu_mul_vec(const float* g, const float* u, uint16_t* h) {
   const vf gv = v_load(g);
@@ -410,6 +609,7 @@ static const CpuExecutorKernels kTable = {
     &dot_tile,
     &silu_mul_bf16,
     &weighted_sum,
+    &dot_q,
     &stream_read,
 };
 

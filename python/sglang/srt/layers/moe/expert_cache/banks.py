@@ -14,6 +14,8 @@ expert): BF16 has ``w13`` and ``w2``; block FP8 (``Fp8MoEMethod``) adds ``w13_sc
 ``w2_scale`` (``w13_weight_scale_inv`` / ``w2_weight_scale_inv``, float32, one scale per
 128 x 128 block). The cache, the control step and the copy work list only see rows and never
 change with the format.
+``formats.py`` holds the float64 dequantize references of the quantized formats (FP8, MXFP4,
+NVFP4) and their executor format codes.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class ExpertFormat:
                 f"not ({i}, {h})"
             )
         return self.specs
+
+    @property
+    def executor_format(self) -> str:
+        """The CPU executor's ``format`` name for these banks (``sgl_kernel_fork.cpu_executor``)."""
+        return "bf16"
 
 
 BF16 = ExpertFormat(label="bf16", dtype=torch.bfloat16)

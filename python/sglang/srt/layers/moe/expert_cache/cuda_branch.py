@@ -187,7 +187,10 @@ class CudaForward:
 
         self.host = host
         self.block_shape = host.format.weight_block_size
-        self.plan = CpuBranchPlan(stream_branch_tokens(), top_k, host["w13"], host["w2"])
+        scales = {}
+        if "w13_scale" in host.tensors:  # block FP8 (executor_args.executor_kwargs' rule)
+            scales = dict(format="fp8", w13_scale=host["w13_scale"], w2_scale=host["w2_scale"])
+        self.plan = CpuBranchPlan(stream_branch_tokens(), top_k, host["w13"], host["w2"], **scales)
         self.side = torch.cuda.Stream(device=device)
         self.device = device
 
