@@ -39,12 +39,14 @@ def _executor_runs_fp8() -> bool:
     return executor_takes_scales()
 
 
-# Both servers refuse an FP8 MoE at startup on a build without the FP8 CPU executor kernel.
-pytestmark = pytest.mark.skipif(
-    not _executor_runs_fp8(),
-    reason="this sgl_kernel_fork build has no FP8 CPU executor kernel (moe_experts_cpu "
-    "without scale lists)",
-)
+# Both servers refuse an FP8 MoE at startup on a build without the FP8 CPU executor kernel;
+# this tree has it, so a build without it is broken: a failure, not a skip.
+def test_this_build_runs_fp8_experts_on_the_cpu():
+    assert _executor_runs_fp8(), (
+        "this sgl_kernel_fork build has no FP8 CPU executor kernel (moe_experts_cpu without "
+        "scale lists): rebuild sgl-kernel with make setup"
+    )
+
 
 ARCH = "qwen3_moe_fp8"
 NEW_TOKENS = 16

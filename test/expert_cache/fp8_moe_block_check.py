@@ -105,7 +105,8 @@ def _pool_checks(cache, state: dict, num_experts: int) -> dict:
 
 
 def _reference(cfg, state: dict, xs, with_scales: bool = True):
-    """float64 block output: softmax router, top-k renormalized, dequantized experts."""
+    """float64 block output: softmax router (experts picked from the bf16 router logits, as the
+    block picks them), top-k renormalized, dequantized experts."""
     from sglang.test.tiny_models.quantize import block_dequantize_fp8
 
     def w(name):
@@ -114,13 +115,19 @@ def _reference(cfg, state: dict, xs, with_scales: bool = True):
             return q.to(torch.float64)
         return block_dequantize_fp8(q, state[name + ".weight_scale_inv"])
 
-    gate = state[PREFIX + "gate.weight"].double()
+    gate_bf16 = state[PREFIX + "gate.weight"]
+    gate = gate_bf16.double()
     experts = {}
     outs = []
     for x in xs:
         xd = x.double()
+        # Which experts: chosen from the router logits as the block computes them (a bf16
+        # linear), so a near-tie is not decided differently by float64 and one token's whole
+        # output does not differ; their weights: float64 softmax, top-k renormalized.
+        logits_bf16 = torch.nn.functional.linear(x.to(gate_bf16.dtype), gate_bf16).float()
+        top_i = torch.softmax(logits_bf16, dim=-1).topk(cfg.num_experts_per_tok, dim=-1).indices
         probs = torch.softmax(xd @ gate.T, dim=-1)
-        top_w, top_i = probs.topk(cfg.num_experts_per_tok, dim=-1)
+        top_w = probs.gather(-1, top_i)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         out = torch.zeros_like(xd)
         for t in range(xd.shape[0]):

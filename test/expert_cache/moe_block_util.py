@@ -24,22 +24,11 @@ def publish_cpu_server(model: str) -> None:
 
 
 def start_group() -> None:
-    """A world of one process (gloo), and upstream's model-parallel groups over it."""
-    from sglang.srt.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    """A world of one process (gloo), and upstream's model-parallel groups over it (the
+    packer's own helper, ``pack.start_single_process_group``)."""
+    from sglang.srt.layers.moe.expert_cache.pack import start_single_process_group
 
-    for k, v in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    initialize_model_parallel(backend="gloo")
+    start_single_process_group()
 
 
 def load_block(block, state: dict, prefix: str, num_experts: int) -> None:
