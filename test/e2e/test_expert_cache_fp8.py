@@ -32,22 +32,6 @@ from e2e_util import (
     random_prompts,
 )
 
-
-def _executor_runs_fp8() -> bool:
-    from sglang.srt.layers.moe.expert_cache.executor_args import executor_takes_scales
-
-    return executor_takes_scales()
-
-
-# Both servers refuse an FP8 MoE at startup on a build without the FP8 CPU executor kernel;
-# this tree has it, so a build without it is broken: a failure, not a skip.
-def test_this_build_runs_fp8_experts_on_the_cpu():
-    assert _executor_runs_fp8(), (
-        "this sgl_kernel_fork build has no FP8 CPU executor kernel (moe_experts_cpu without "
-        "scale lists): rebuild sgl-kernel with make setup"
-    )
-
-
 ARCH = "qwen3_moe_fp8"
 NEW_TOKENS = 16
 SLOTS8 = (

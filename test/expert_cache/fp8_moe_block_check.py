@@ -8,9 +8,6 @@ configuration of :data:`CONFIGS` (``stock``: ``Fp8MoEMethod`` without the cache,
 the CPU executor through patch 0003; the others ``--enable-expert-cache`` at several sizes and
 policies) and runs ``forward_normal`` on the batches of :data:`CALLS`.
 
-Without the FP8 CPU executor kernel in this build (``executor_fp8`` False in the result) only
-the loading is checked: the startup check that refuses FP8 is bypassed, nothing runs forward.
-
 Recorded per cache configuration: the outputs, the counters, whether every host-pool bank row
 of the layer holds the checkpoint's bytes (FP8 weights as stored, scales as float32 of the
 stored bf16) and whether every slot holds the bytes of the host row it caches, after the calls.
@@ -206,33 +203,21 @@ def main() -> None:
     xs = [torch.randn(t, cfg.hidden_size, generator=g).bfloat16() for t in CALLS]
     publish_cpu_server(model)
     start_group()
-    from sglang.srt.layers.moe.expert_cache import executor_args
-
-    # Without the FP8 executor kernel the server refuses FP8 at startup (make_for_layer,
-    # check_fp8_layer); the loading checks below still run, with only that startup check
-    # bypassed and no forward call.
-    runs = executor_args.executor_takes_scales()
-    if not runs:
-        executor_args.executor_takes_scales = lambda: True
-    result = {"method": {}, "pool": {}, "snapshot": {}, "executor_fp8": runs}
+    result = {"method": {}, "pool": {}, "snapshot": {}}
     for name, flags in CONFIGS.items():
-        if not runs and not flags:
-            continue  # the stock FP8 MoE has nothing to check without its kernel
         reset_expert_slot_cache()
         cache_flags = dict(enable_expert_cache=True, **flags, **BANDWIDTHS) if flags else {}
         with get_exec().moe.override(**cache_flags):
             block = _build(cfg, Fp8Config.from_config(quant), state)
             method = block.experts.quant_method
             result["method"][name] = type(method).__name__
-            if runs:
-                with torch.no_grad():
-                    result[name] = [block.forward_normal(x) for x in xs]
+            with torch.no_grad():
+                result[name] = [block.forward_normal(x) for x in xs]
             if flags:
                 result["pool"][name] = _pool_checks(method.cache, state, cfg.num_experts)
                 result["snapshot"][name] = method.cache.snapshot()
-    if runs:
-        result["ref"] = _reference(cfg, state, xs)
-        result["ref_unscaled"] = _reference(cfg, state, xs, with_scales=False)
+    result["ref"] = _reference(cfg, state, xs)
+    result["ref_unscaled"] = _reference(cfg, state, xs, with_scales=False)
 
     # Broken checkpoints, through the cache's loading.
     errors = {}

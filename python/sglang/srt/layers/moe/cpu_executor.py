@@ -199,12 +199,9 @@ def check_fp8_layer(layer: torch.nn.Module) -> None:
     refuses to start instead of failing its first request.
 
     Raises:
-        RuntimeError: no FP8 executor kernel in this build, or a layer feature the executor
-            lacks (activation, biases, ...); the message says what to do.
+        RuntimeError: a layer feature the executor lacks (activation, biases, ...); the
+            message says what to do.
     """
-    from sglang.srt.layers.moe.expert_cache.executor_args import check_executor_format
-
-    check_executor_format("block FP8", quantized=True)
     reason = _config_reason(layer, layer.moe_runner_config)
     if reason is not None:
         raise RuntimeError(

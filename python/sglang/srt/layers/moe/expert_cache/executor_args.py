@@ -11,38 +11,11 @@ probe and the resident layer call the executor the same way.
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, Mapping, Sequence
 
 import torch
 
 BankSet = Mapping[str, torch.Tensor]
-
-
-@functools.lru_cache(maxsize=1)
-def executor_takes_scales() -> bool:
-    """Whether this build's ``moe_experts_cpu`` takes scale lists (the block-FP8 kernel)."""
-    import sgl_kernel_fork  # noqa: F401  (registers the ops)
-
-    op = getattr(torch.ops.sgl_kernel, "moe_experts_cpu", None)
-    if op is None:
-        return False
-    return any(a.name == "w13_scale" for a in op.default._schema.arguments)
-
-
-def check_executor_format(label: str, quantized: bool) -> None:
-    """At startup: raise unless the CPU executor runs experts of this format.
-
-    Raises:
-        RuntimeError: a quantized format on a build whose executor has no scale lists; the
-            message names the format and what to do.
-    """
-    if quantized and not executor_takes_scales():
-        raise RuntimeError(
-            f"the CPU executor of this sgl_kernel_fork build has no {label} kernel "
-            "(moe_experts_cpu without scale lists): rebuild sgl-kernel (make setup) from a "
-            "tree with the FP8 executor, or serve the bf16 checkpoint"
-        )
 
 
 def executor_kwargs(bank_sets: Sequence[BankSet]) -> Dict[str, object]:

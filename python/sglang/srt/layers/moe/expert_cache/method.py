@@ -299,11 +299,7 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
             "--enable-paged-experts and --enable-expert-cache exclude each other (drop one)"
         )
     try:
-        label, _ = expert_format_of(base_method, layer)
-        if label != "bf16":
-            from sglang.srt.layers.moe.expert_cache.executor_args import check_executor_format
-
-            check_executor_format(label, quantized=True)
+        expert_format_of(base_method, layer)
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
     cfg = layer.moe_runner_config
