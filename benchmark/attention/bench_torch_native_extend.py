@@ -1,13 +1,15 @@
 """Time one torch_native extend (one layer) on top of a long cached prefix:
-upstream's full-sequence loop vs the new-rows path (patch 0010), the latter both mask-free
-(the default: prefix and causal square as two flash calls merged through their log-sum-exps)
-and with masked query blocks (``mask_free=False``).
+upstream's full-sequence loop vs the new-rows path (patch 0010), the latter mask-free on ATen
+(prefix and causal square as two flash calls merged through their log-sum-exps), with masked
+query blocks (``mask_free=False``), and in our flash kernel (``sgl_kernel_fork.extend_attention``,
+the default where the CPU has AVX-512 BF16 and the inputs are bf16).
 
     python benchmark/attention/bench_torch_native_extend.py [--prefix 8192] [--extend 128] [--reps 5]
 
 Each path gets one warm-up and ``--reps`` timed runs, interleaved; the last line gives the
-medians, ``speedup`` (median of the per-round upstream / mask-free ratios) and
-``mask_free_speedup`` (masked / mask-free) as ``name=value``. ``--skip-upstream`` leaves out
+medians, ``speedup`` (median of the per-round upstream / mask-free ratios),
+``mask_free_speedup`` (masked / mask-free) and, where the kernel runs, ``kernel_speedup``
+(ATen mask-free / kernel) as ``name=value``. ``--skip-upstream`` leaves out
 upstream's loop (quadratic in the prefix: minutes at 64K).
 """
 
@@ -19,7 +21,10 @@ import time
 import torch
 
 from sglang.srt.layers.attention import torch_native_backend as tnb
-from sglang.srt.layers.attention.torch_native_extend import sdpa_extend_new_rows
+from sglang.srt.layers.attention.torch_native_extend import (
+    extend_kernel_supported,
+    sdpa_extend_new_rows,
+)
 
 p = argparse.ArgumentParser()
 p.add_argument("--prefix", type=int, default=8192)
@@ -64,15 +69,23 @@ def run_old():
 
 
 def run_new():
-    return sdpa_extend_new_rows(output=torch.empty_like(q), **args)
+    return sdpa_extend_new_rows(output=torch.empty_like(q), use_kernel=False, **args)
 
 
 def run_masked():
-    return sdpa_extend_new_rows(output=torch.empty_like(q), mask_free=False, **args)
+    return sdpa_extend_new_rows(
+        output=torch.empty_like(q), mask_free=False, use_kernel=False, **args
+    )
+
+
+def run_kernel():
+    return sdpa_extend_new_rows(output=torch.empty_like(q), use_kernel=True, **args)
 
 
 backend = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
 paths = {"masked": run_masked, "new": run_new}
+if extend_kernel_supported(q, k, v):
+    paths["kernel"] = run_kernel
 if not a.skip_upstream:
     paths = {"old": run_old, **paths}
 outs = {name: fn() for name, fn in paths.items()}  # warm-up, and the outputs compared below
@@ -88,12 +101,12 @@ for _ in range(a.reps):
 med = {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def ratio(slow: str) -> float:
-    return statistics.median(s / n for s, n in zip(times[slow], times["new"]))
+def ratio(slow: str, fast: str = "new") -> float:
+    return statistics.median(s / n for s, n in zip(times[slow], times[fast]))
 
 
-def diff(name: str) -> float:
-    return (outs[name].float() - outs["new"].float()).abs().max().item()
+def diff(name: str, other: str = "new") -> float:
+    return (outs[name].float() - outs[other].float()).abs().max().item()
 
 
 fields = [
@@ -107,4 +120,9 @@ fields.append(f"masked_ms={med['masked'] * 1e3:.1f} mask_free_ms={med['new'] * 1
 if "old" in paths:
     fields.append(f"speedup={ratio('old'):.2f} max_abs_diff={diff('old'):.2e}")
 fields.append(f"mask_free_speedup={ratio('masked'):.2f} masked_max_abs_diff={diff('masked'):.2e}")
+if "kernel" in paths:
+    fields.append(
+        f"kernel_ms={med['kernel'] * 1e3:.1f} kernel_speedup={ratio('new', 'kernel'):.2f} "
+        f"kernel_max_abs_diff={diff('kernel'):.2e}"
+    )
 print(" ".join(fields))

@@ -20,8 +20,9 @@ Contents:
   ``fused_sigmoid_gating_delta_rule_update_cpu``, ``causal_conv1d_fwd_cpu``,
   ``causal_conv1d_update_cpu``, ``fused_rmsnorm_gated_cpu``,
   ``fused_sigmoid_mul_cpu``, ``assign_req_to_token_pool_cpu``,
-  ``copy_all_layer_kv_cache_cpu``, ``murmur_hash32_cpu``, plus ``cpu_isa`` /
-  ``set_cpu_isa``. Each is documented in :mod:`sgl_kernel_fork.ops`.
+  ``copy_all_layer_kv_cache_cpu``, ``murmur_hash32_cpu``, ``extend_attention_cpu``
+  (torch_native extend attention), plus ``cpu_isa`` / ``set_cpu_isa``. Each is documented
+  in :mod:`sgl_kernel_fork.ops`.
 * ``torch.ops.sgl_kernel.expert_cache_control`` / ``expert_bank_copy`` (CPU here,
   CUDA in ``sgl_kernel_fork._C_cuda``): the expert slot cache, documented in
   ``sglang/srt/layers/moe/expert_cache/control.py``.
@@ -56,6 +57,8 @@ from .ops import (  # noqa: E402
     assign_req_to_token_pool_cpu,
     copy_all_layer_kv_cache_cpu,
     cpu_isa,
+    extend_attention,
+    extend_attention_supported,
     set_cpu_isa,
 )
 from .speculative import (  # noqa: E402
@@ -75,6 +78,8 @@ __all__ = [
     "assign_req_to_token_pool_cpu",
     "copy_all_layer_kv_cache_cpu",
     "cpu_isa",
+    "extend_attention",
+    "extend_attention_supported",
     "set_cpu_isa",
     "cpu_executor",
     "mamba",

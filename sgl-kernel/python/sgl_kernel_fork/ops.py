@@ -380,3 +380,39 @@ def set_cpu_isa(name: str) -> str:
     ``SGLANG_CPU_KERNEL_ISA`` environment variable) is the fastest available.
     """
     return _ops.set_cpu_isa(name)
+
+
+def extend_attention_supported(head_dim: int) -> bool:
+    """Whether :func:`extend_attention` runs here: the CPU has AVX-512 BF16, the selected kernel
+    level (:func:`cpu_isa`, capped by ``SGLANG_CPU_KERNEL_ISA``) is ``"avx512bf16"`` and
+    ``head_dim`` is 64, 128 or 256."""
+    return _ops.cpu_isa() == "avx512bf16" and _ops.extend_attention_cpu_supported(head_dim)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    q_pos0: int,
+    scale: float,
+    causal: bool,
+) -> None:
+    """``torch.ops.sgl_kernel.extend_attention_cpu``: one request's extend attention, in place.
+
+    Args:
+        q: ``[rows, heads, dim]`` bfloat16, the new tokens' queries (head dim contiguous).
+        k, v: ``[keys, kv_heads, dim]`` bfloat16, every key the rows can see, in position
+            order (``heads`` a multiple of ``kv_heads``: query head h reads KV head
+            ``h // (heads // kv_heads)``, as ``repeat_interleave``).
+        out: ``[rows, heads, dim]`` bfloat16, written.
+        q_pos0: position of row 0; with ``causal`` row i sees keys ``[0, q_pos0 + i]``
+            (bottom-right alignment, ``q_pos0 + rows <= keys``), without it every key.
+        scale: softmax scale (``1 / sqrt(dim)`` usually).
+
+    FlashAttention-2's online softmax (Dao, 2023) with ``vdpbf16ps`` dot products, fp32
+    softmax and accumulation, P rounded to bf16 before P V. Raises ``RuntimeError`` for other
+    dtypes, shapes or head dims, or a CPU without AVX-512 BF16 (see
+    :func:`extend_attention_supported`). Source: ``sgl-kernel/csrc/cpu/extend_attention.cpp``.
+    """
+    _ops.extend_attention_cpu(q, k, v, out, q_pos0, scale, causal)

@@ -25,7 +25,12 @@ instead of ``O(n * (p + n))`` -- minutes per layer stack for agent sessions with
 * for causal layers without a window, builds no mask at all: the cached prefix, which
   every new row sees whole, and the new tokens' causal square are two flash calls whose
   results are merged exactly through their log-sum-exps (a masked call over prefix + new
-  keys reads a rows x keys mask as well as doing the same arithmetic).
+  keys reads a rows x keys mask as well as doing the same arithmetic);
+* where the CPU has AVX-512 BF16 and q / k / v are bfloat16 with a head dim of 64, 128 or 256,
+  runs those layers (and non-causal ones without a window) in one call of our flash kernel
+  instead (``sgl_kernel_fork.extend_attention``: GQA without repeating the KV heads, the
+  causal diagonal masked in place; about twice the throughput of the two ATen calls here,
+  ``benchmark/attention/bench_torch_native_extend.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ from typing import Optional
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+try:  # our CPU operator package (always built in this tree; absent on a bare CUDA install)
+    import sgl_kernel_fork as _fork_ops
+except ImportError:  # pragma: no cover - exercised only without the package
+    _fork_ops = None
 
 # Upper bound on the elements of the largest matrix one SDPA call builds: the
 # query_rows x keys mask for fused kernels (CPU flash keeps scores in tiles),
@@ -211,6 +221,19 @@ def _causal_with_prefix(
     return merge_partials(o_pre, lse_pre, o_new, lse_new).to(q_req.dtype)
 
 
+def extend_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether our CPU flash kernel (``sgl_kernel_fork.extend_attention``) takes these inputs:
+    CPU bfloat16 q / k / v with one head dim (64, 128 or 256) for all three, on a CPU (and a
+    selected kernel level) with AVX-512 BF16. Shapes: [..., dim]."""
+    return (
+        _fork_ops is not None
+        and q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and _fork_ops.extend_attention_supported(q.shape[-1])
+    )
+
+
 def sdpa_extend_new_rows(
     query: torch.Tensor,
     output: torch.Tensor,
@@ -229,6 +252,7 @@ def sdpa_extend_new_rows(
     sliding_window_size: Optional[int] = None,
     block_elems: Optional[int] = None,
     mask_free: bool = True,
+    use_kernel: Optional[bool] = None,
 ) -> torch.Tensor:
     """Extend attention computing only the new (extend) rows.
 
@@ -244,6 +268,10 @@ def sdpa_extend_new_rows(
     square as two flash calls merged exactly (``merge_partials``); the rest, and
     ``mask_free=False``, run query blocks with a bottom-right causal mask under the
     ``block_elems`` budget (default ``SGLANG_TORCH_NATIVE_ATTN_BLOCK_ELEMS``).
+
+    Layers without a window whose inputs :func:`extend_kernel_supported` accepts run in our
+    flash kernel instead when ``use_kernel`` is None (the default) or True; False keeps the
+    ATen paths (tests and benchmarks compare the two). Writes ``output`` and returns it.
     """
     num_seqs = seq_lens.shape[0]
     assert extend_prefix_lens.shape[0] == num_seqs
@@ -288,6 +316,21 @@ def sdpa_extend_new_rows(
             k_base = 0
 
         tokens = req_to_token[pool_idx_l[i], kv_start + k_base : kv_start + kv_len]
+        if window is None and use_kernel is not False:
+            k_rows, v_rows, q_rows = k_cache[tokens], v_cache[tokens], query[start_q:end_q]
+            if extend_kernel_supported(q_rows, k_rows, v_rows):
+                out_rows = output[start_q:end_q]
+                scale = scaling if scaling is not None else 1.0 / math.sqrt(q_rows.shape[-1])
+                if out_rows.dtype == torch.bfloat16 and out_rows.stride(-1) == 1:
+                    _fork_ops.extend_attention(
+                        q_rows, k_rows, v_rows, out_rows, q_pos0, scale, causal
+                    )
+                else:
+                    tmp = torch.empty_like(q_rows)
+                    _fork_ops.extend_attention(q_rows, k_rows, v_rows, tmp, q_pos0, scale, causal)
+                    out_rows.copy_(tmp)
+                start_q = end_q
+                continue
         k_req = k_cache[tokens].movedim(0, 1)
         v_req = v_cache[tokens].movedim(0, 1)
         q_req = query_t[:, start_q:end_q]

@@ -1,0 +1,362 @@
+// Extend (prefill) attention on the CPU: flash attention over bf16 queries, keys and values with
+// AVX-512 BF16 dot products (vdpbf16ps), fp32 softmax and accumulation.
+//
+//   extend_attention_cpu(q, k, v, out, q_pos0, scale, causal)
+//
+// One request's new rows against all the keys they can see, the torch_native backend's extend
+// step (python/sglang/srt/layers/attention/torch_native_extend.py calls it). It replaces two
+// calls of ATen's CPU flash kernel plus their log-sum-exp merge, which run at ~25 GFLOP/s here:
+// the agent replays' long prefixes (100-176K tokens) spend most of their prefill in it.
+//
+// Algorithm: FlashAttention-2's online softmax (Dao, 2023, Algorithm 1), per (query head, block
+// of query rows), over key blocks of kKeyBlock keys. Keys and values are first repacked once per
+// KV head into the operand layout of vdpbf16ps (pairs of bf16 in one 32-bit lane):
+//   K: [block][D/2][kKeyBlock] pairs (k[j][2p], k[j][2p+1])   -> S = Q K^T, 16 keys per vector
+//   V: [block][kKeyBlock/2][D] pairs (v[2t][d], v[2t+1][d])   -> O += P V, 16 dims per vector
+// so the two products are register-blocked outer products (16 accumulators each) without
+// horizontal sums. P is rounded to bf16 before P V (as FlashAttention does in half precision).
+// Causal masking (bottom-right aligned: row i sees keys [0, q_pos0 + i]) is applied only in the
+// key blocks a query block's diagonal crosses; blocks past the diagonal are skipped.
+//
+// Only this kernel's ISA is AVX-512 BF16 (compiled with a target attribute, entered only when
+// the CPU has it: extend_attention_cpu_supported()); the Python side keeps ATen's flash kernel
+// for every other CPU, dtype and head size.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 reports its own _mm512_undefined_* helpers inside the reduce intrinsics (as isa_unit.h).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace sglk {
+namespace {
+
+constexpr int kKeyBlock = 64;    // keys per block: 4 vectors of 16 scores
+constexpr int kQueryBlock = 64;  // query rows per work item
+constexpr int kRowTile = 4;      // query rows per S microkernel call
+
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool has =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SGLK_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// Two bf16 values (raw bits) in one 32-bit lane, low half first (vdpbf16ps's pair order).
+inline uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+
+// Repack one KV head's keys into [nblk][D/2][kKeyBlock] pairs and values into
+// [nblk][kKeyBlock/2][D] pairs; keys past `keys` are zero.
+void pack_kv_head(const uint16_t* k, const uint16_t* v, int64_t k_row_stride, int64_t v_row_stride, int64_t keys,
+                  int64_t d, int64_t blk, uint32_t* kp, uint32_t* vp) {
+  const int64_t j0 = blk * kKeyBlock;
+  const int64_t n = std::min<int64_t>(kKeyBlock, keys - j0);
+  uint32_t* kb = kp + blk * (d / 2) * kKeyBlock;
+  uint32_t* vb = vp + blk * (kKeyBlock / 2) * d;
+  if (n < kKeyBlock) {
+    std::memset(kb, 0, sizeof(uint32_t) * (d / 2) * kKeyBlock);
+    std::memset(vb, 0, sizeof(uint32_t) * (kKeyBlock / 2) * d);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* kr = k + (j0 + j) * k_row_stride;
+    for (int64_t p = 0; p < d / 2; ++p) kb[p * kKeyBlock + j] = pair(kr[2 * p], kr[2 * p + 1]);
+  }
+  for (int64_t t = 0; t < (n + 1) / 2; ++t) {
+    const uint16_t* v0 = v + (j0 + 2 * t) * v_row_stride;
+    const bool has1 = 2 * t + 1 < n;
+    const uint16_t* v1 = has1 ? v0 + v_row_stride : nullptr;
+    for (int64_t c = 0; c < d; ++c) vb[t * d + c] = pair(v0[c], has1 ? v1[c] : uint16_t(0));
+  }
+}
+
+// 2^x for x in fp32 lanes; x <= -150 gives 0 (so -inf scores vanish). Degree-6 polynomial for
+// 2^f on [0, 1) (relative error ~2e-7), then scalef by the integer part.
+SGLK_ATTN_TARGET inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503340e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+SGLK_ATTN_TARGET inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// S[r][0..63] = q_r . k_j over D/2 pairs for kRowTile rows (q pairs: [rows][D/2]).
+template <int D, int NR>
+SGLK_ATTN_TARGET inline void qk_tile(const uint32_t* q, const uint32_t* kb, float* s) {
+  constexpr int rows = NR;
+  __m512 acc[kRowTile][4];
+  for (int r = 0; r < kRowTile; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int p = 0; p < D / 2; ++p) {
+    const uint32_t* kr = kb + p * kKeyBlock;
+    const __m512i k0 = _mm512_loadu_si512(kr), k1 = _mm512_loadu_si512(kr + 16);
+    const __m512i k2 = _mm512_loadu_si512(kr + 32), k3 = _mm512_loadu_si512(kr + 48);
+    for (int r = 0; r < kRowTile; ++r) {
+      if (r >= NR) break;
+      const __m512i qb = _mm512_set1_epi32(int(q[r * (D / 2) + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], as_bh(qb), as_bh(k0));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], as_bh(qb), as_bh(k1));
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], as_bh(qb), as_bh(k2));
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], as_bh(qb), as_bh(k3));
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyBlock + 16 * c, acc[r][c]);
+}
+
+// O[r][0..D) += sum_t P pair(r, t) . V pair(t) for `rows` rows (P pairs: [rows][kKeyBlock/2]).
+template <int D>
+SGLK_ATTN_TARGET inline void pv_tile(const uint32_t* pp, int rows, const uint32_t* vb, float* o) {
+  constexpr int kVec = D / 16;
+  constexpr int kRows = 256 / D;  // 16 accumulators: 4 rows at D=64, 2 at 128, 1 at 256
+  for (int r0 = 0; r0 < rows; r0 += kRows) {
+    const int nr = std::min(kRows, rows - r0);
+    __m512 acc[kRows][kVec];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVec; ++c)
+        acc[r][c] = r < nr ? _mm512_loadu_ps(o + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
+    for (int t = 0; t < kKeyBlock / 2; ++t) {
+      __m512i vv[kVec];
+      for (int c = 0; c < kVec; ++c) vv[c] = _mm512_loadu_si512(vb + t * D + 16 * c);
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= nr) break;
+        const __m512i pb = _mm512_set1_epi32(int(pp[(r0 + r) * (kKeyBlock / 2) + t]));
+        for (int c = 0; c < kVec; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(pb), as_bh(vv[c]));
+      }
+    }
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < kVec; ++c) _mm512_storeu_ps(o + (r0 + r) * D + 16 * c, acc[r][c]);
+  }
+}
+
+struct ItemArgs {
+  const uint16_t* q;  // row 0 of this head: q + row * q_row_stride
+  int64_t q_row_stride;
+  uint16_t* out;  // same layout as q
+  int64_t out_row_stride;
+  const uint32_t* kp;  // this KV head's packed keys / values
+  const uint32_t* vp;
+  int64_t rows;    // query rows of the request
+  int64_t keys;    // visible key count (all of them for non-causal)
+  int64_t q_pos0;  // position of query row 0 (causal)
+  bool causal;
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+// One work item: query rows [r_begin, r_end) of one head.
+template <int D>
+SGLK_ATTN_TARGET void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_end) {
+  const int rows = int(r_end - r_begin);
+  alignas(64) uint32_t qpairs[kQueryBlock * (D / 2)];
+  alignas(64) float s[kQueryBlock * kKeyBlock];
+  alignas(64) uint32_t ppairs[kQueryBlock * (kKeyBlock / 2)];
+  alignas(64) float o[kQueryBlock * D];
+  float m[kQueryBlock];
+  __m512 lsum[kQueryBlock];
+  for (int r = 0; r < rows; ++r) {
+    std::memcpy(qpairs + r * (D / 2), a.q + (r_begin + r) * a.q_row_stride, sizeof(uint16_t) * D);
+    m[r] = -std::numeric_limits<float>::infinity();
+    lsum[r] = _mm512_setzero_ps();
+  }
+  std::memset(o, 0, sizeof(float) * rows * D);
+
+  // Keys the last row sees (exclusive end); blocks past it are skipped.
+  const int64_t key_end = a.causal ? std::min(a.keys, a.q_pos0 + r_end) : a.keys;
+  const int64_t nblk = (key_end + kKeyBlock - 1) / kKeyBlock;
+  const __m512 vscale = _mm512_set1_ps(a.scale_log2);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t j0 = b * kKeyBlock;
+    const uint32_t* kb = a.kp + b * (D / 2) * kKeyBlock;
+    const uint32_t* vb = a.vp + b * (kKeyBlock / 2) * D;
+    int r0 = 0;
+    for (; r0 + kRowTile <= rows; r0 += kRowTile) qk_tile<D, kRowTile>(qpairs + r0 * (D / 2), kb, s + r0 * kKeyBlock);
+    for (; r0 < rows; ++r0) qk_tile<D, 1>(qpairs + r0 * (D / 2), kb, s + r0 * kKeyBlock);
+    // Masking is needed where some key of the block lies past a row's limit.
+    const int64_t first_limit = a.causal ? std::min(a.keys, a.q_pos0 + r_begin + 1) : a.keys;
+    const bool masked = j0 + kKeyBlock > first_limit;
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s + r * kKeyBlock;
+      const int64_t limit = a.causal ? std::min(a.keys, a.q_pos0 + r_begin + r + 1) : a.keys;
+      __m512 x[4];
+      __m512 mx = ninf;
+      for (int c = 0; c < 4; ++c) {
+        x[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), vscale);
+        if (masked) {
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(j0 + 16 * c)));
+          const __mmask16 keep = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(int32_t(limit)));
+          x[c] = _mm512_mask_blend_ps(keep, ninf, x[c]);
+        }
+        mx = _mm512_max_ps(mx, x[c]);
+      }
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
+        std::memset(ppairs + r * (kKeyBlock / 2), 0, sizeof(uint32_t) * (kKeyBlock / 2));
+        continue;
+      }
+      const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp2(m[r] - m_new);
+      const __m512 vm = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < 4; c += 2) {
+        const __m512 p0 = exp2_ps(_mm512_sub_ps(x[c], vm));
+        const __m512 p1 = exp2_ps(_mm512_sub_ps(x[c + 1], vm));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        // Round to bf16 (nearest even); 16 consecutive bf16 read as 8 uint32 are the pairs
+        // (2t, 2t+1) that P V takes, so each vector is stored as it is.
+        uint16_t* dst = reinterpret_cast<uint16_t*>(ppairs + r * (kKeyBlock / 2) + 8 * c);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(p0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), (__m256i)_mm512_cvtneps_pbh(p1));
+      }
+      // Row sums stay in 16 lanes until the end (one horizontal sum per row, not per block).
+      lsum[r] = _mm512_fmadd_ps(lsum[r], _mm512_set1_ps(alpha), sum);
+      m[r] = m_new;
+      if (alpha != 1.0f) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        float* orow = o + r * D;
+        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), va));
+      }
+    }
+    pv_tile<D>(ppairs, rows, vb, o);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float l = _mm512_reduce_add_ps(lsum[r]);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    uint16_t* dst = a.out + (r_begin + r) * a.out_row_stride;
+    for (int c = 0; c < D; c += 16) {
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + c), vi));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), b);
+    }
+  }
+}
+
+template <int D>
+void run_items(std::vector<ItemArgs>& heads, int64_t rows) {
+  const int64_t nqb = (rows + kQueryBlock - 1) / kQueryBlock;
+  const int64_t items = int64_t(heads.size()) * nqb;
+  // Later query blocks see more keys (causal): take them first, dynamically, for balance.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t qb = nqb - 1 - it / int64_t(heads.size());
+    const int64_t h = it % int64_t(heads.size());
+    attend_rows<D>(heads[h], qb * kQueryBlock, std::min(rows, (qb + 1) * kQueryBlock));
+  }
+}
+#endif  // x86-64 with GNU attributes
+
+void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                          int64_t q_pos0, double scale, bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
+              "extend_attention_cpu: q / out [rows, heads, dim] and k / v [keys, kv_heads, dim] expected, got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ", ", out.sizes());
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16,
+                "extend_attention_cpu: every tensor must be a CPU bfloat16 tensor, got ", t->scalar_type(), " on ",
+                t->device());
+    TORCH_CHECK(t->stride(2) == 1, "extend_attention_cpu: the head dim must be contiguous");
+  }
+  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t keys = k.size(0), hkv = k.size(1);
+  TORCH_CHECK(head_dim_supported(d), "extend_attention_cpu: head dim ", d, " is not supported (64, 128, 256)");
+  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == keys && v.size(1) == hkv,
+              "extend_attention_cpu: k and v must both be [keys, kv_heads, ", d, "], got ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "extend_attention_cpu: out must be shaped as q ", q.sizes(), ", got ",
+              out.sizes());
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "extend_attention_cpu: ", hq, " query heads are not a multiple of ", hkv,
+              " KV heads");
+  TORCH_CHECK(!causal || (q_pos0 >= 0 && q_pos0 + rows <= keys), "extend_attention_cpu: causal rows at positions [",
+              q_pos0, ", ", q_pos0 + rows, ") need that many keys, got ", keys);
+  TORCH_CHECK(cpu_has_avx512bf16(), "extend_attention_cpu needs AVX-512 BF16 (check extend_attention_cpu_supported)");
+  if (rows == 0) return;
+  TORCH_CHECK(keys > 0, "extend_attention_cpu: no keys");
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  const int64_t nblk = (keys + kKeyBlock - 1) / kKeyBlock;
+  const int64_t kv_head_words = nblk * kKeyBlock * d / 2;  // uint32 pairs per KV head (K or V)
+  // Not value-initialized: pack_kv_head writes every word (zeros past the last key).
+  std::unique_ptr<uint32_t[]> kp(new uint32_t[size_t(hkv * kv_head_words)]);
+  std::unique_ptr<uint32_t[]> vp(new uint32_t[size_t(hkv * kv_head_words)]);
+  const auto* kbase = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vbase = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  at::parallel_for(0, hkv * nblk, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / nblk, b = i % nblk;
+      pack_kv_head(kbase + h * k.stride(1), vbase + h * v.stride(1), k.stride(0), v.stride(0), keys, d, b,
+                   kp.get() + h * kv_head_words, vp.get() + h * kv_head_words);
+    }
+  });
+  std::vector<ItemArgs> heads(static_cast<size_t>(hq));
+  const int64_t rep = hq / hkv;
+  for (int64_t h = 0; h < hq; ++h) {
+    ItemArgs& a = heads[size_t(h)];
+    a.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) + h * q.stride(1);
+    a.q_row_stride = q.stride(0);
+    a.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + h * out.stride(1);
+    a.out_row_stride = out.stride(0);
+    a.kp = kp.get() + (h / rep) * kv_head_words;
+    a.vp = vp.get() + (h / rep) * kv_head_words;
+    a.rows = rows;
+    a.keys = keys;
+    a.q_pos0 = causal ? q_pos0 : 0;
+    a.causal = causal;
+    a.scale_log2 = float(scale * 1.4426950408889634);
+  }
+  switch (d) {
+    case 64:
+      run_items<64>(heads, rows);
+      break;
+    case 128:
+      run_items<128>(heads, rows);
+      break;
+    default:
+      run_items<256>(heads, rows);
+      break;
+  }
+#endif
+}
+
+bool extend_attention_cpu_supported(int64_t head_dim) { return cpu_has_avx512bf16() && head_dim_supported(head_dim); }
+
+}  // namespace
+}  // namespace sglk
+
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def(
+      "extend_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int q_pos0, float scale, bool causal) -> "
+      "()");
+  m.def("extend_attention_cpu_supported(int head_dim) -> bool", &sglk::extend_attention_cpu_supported);
+}
+
+TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) { m.impl("extend_attention_cpu", &sglk::extend_attention_cpu); }
