@@ -23,7 +23,8 @@
 #   tests    test_cuda_op.py (control op, bank copy, CPU branch eager and in a CUDA graph),
 #            test_cuda_cache.py (whole layer calls on CUDA against the CPU cache, eager and in
 #            one CUDA graph; no-slot fallback), test_cuda_sources.py, the Triton slot path on
-#            real bf16 (test_triton_slot_path.py); a skipped test counts as a failure here
+#            real bf16 (test_triton_slot_path.py), banks pinned while a pack is read
+#            (test_cuda_pack_pin.py); a skipped test counts as a failure here
 #   control  benchmark/expert_cache/bench_control.py --device cuda
 #   step     benchmark/expert_cache/bench_gpu_step.py (Qwen3.6-35B-A3B shapes, eager + graph)
 # Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks. Writes $OUT/summary.txt (a line
@@ -204,6 +205,7 @@ if want tests; then
   step tests 300 "$PY" -m pytest -q -rfEs --junitxml="$junit" \
     test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py \
     test/expert_cache/test_cuda_sources.py test/expert_cache/test_triton_slot_path.py \
+    test/expert_cache/test_cuda_pack_pin.py \
     --deselect test/expert_cache/test_triton_slot_path.py::test_slot_experts_through_triton_fused_moe_add_up_with_the_cpu_branch
   counts=$(grep -o '<testsuite [^>]*>' "$junit" 2>/dev/null | grep -o '\(tests\|failures\|errors\|skipped\)="[0-9]*"' | tr '\n' ' ')
   if [ -z "$counts" ]; then

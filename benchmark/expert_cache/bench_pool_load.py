@@ -12,15 +12,21 @@ after ``fsync``; ``O_DIRECT`` bypasses it anyway):
 
 * ``disk``: one thread reading the pack file front to back with ``O_DIRECT`` into one 64 MiB
   aligned buffer (the disk's sequential direct-read bandwidth for a file of the same size);
+* ``disk_fresh``: the same read, one thread, but into fresh memory of the pool's size (each
+  64 MiB piece lands in new, untouched pages): the disk read plus the first touch of the
+  pool's pages, which any load into new memory pays (for the record; not a ratio's base);
 * ``pack``: ``pack_io.read_pack`` into fresh, exact-size host banks (``--threads`` readers,
   checksums verified);
+* ``pack_noverify``: the same without checksums (their cost: ``verify_cost``);
 * ``safetensors``: upstream's ``safetensors_weights_iterator`` over the checkpoint, each
   expert tensor copied into its bank rows (gate and up into ``w13``, down into ``w2``), as
   ``FusedMoE``'s weight loader does.
 
 Peak RSS is each process's ``ru_maxrss`` minus its RSS before the banks were allocated.
 Last line: ``load_ratio`` (pack GB/s / disk GB/s), ``vs_safetensors`` (pack GB/s /
-safetensors GB/s), ``rss_ratio`` (pack load's peak RSS growth / pool bytes), and the raw figures.
+safetensors GB/s), ``rss_ratio`` (pack load's peak RSS growth / pool bytes), ``verify_cost``
+(pack_noverify GB/s / pack GB/s: 1.0 means checksums cost nothing), ``fresh_ratio`` (pack GB/s
+/ disk_fresh GB/s), and the raw figures.
 """
 
 from __future__ import annotations
@@ -104,10 +110,32 @@ def child(kind: str, d: Path, layers: int, threads: int) -> dict:
         dt = time.perf_counter() - t0
         os.close(fd)
         return dict(bytes=off, seconds=dt, rss_growth=0)
+    if kind == "disk_fresh":
+        size = pack.stat().st_size
+        buf = mmap.mmap(-1, size + (64 << 20))
+        view = memoryview(buf)
+        fd = os.open(pack, os.O_RDONLY | os.O_DIRECT)
+        t0 = time.perf_counter()
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [view[off : off + (64 << 20)]], off)
+            if n <= 0:
+                break
+            off += n
+        dt = time.perf_counter() - t0
+        os.close(fd)
+        return dict(bytes=off, seconds=dt, rss_growth=0)
     banks = _banks(layers)
-    if kind == "pack":
+    if kind in ("pack", "pack_noverify"):
         header = fmt.read_header(pack)
-        s = pack_io.read_pack(pack, banks, header["chunks"], threads=threads, progress=False)
+        s = pack_io.read_pack(
+            pack,
+            banks,
+            header["chunks"],
+            threads=threads,
+            progress=False,
+            verify=kind == "pack",
+        )
         nbytes, dt, direct = s.nbytes, s.seconds, s.direct_bytes
     else:
         from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
@@ -145,7 +173,7 @@ def main() -> None:
     try:
         build(d, a.layers)
         res = {}
-        for kind in ("disk", "pack", "safetensors"):
+        for kind in ("disk", "disk_fresh", "pack", "pack_noverify", "safetensors"):
             for f in d.iterdir():
                 _drop(f)
             out = subprocess.run(
@@ -181,6 +209,8 @@ def main() -> None:
         f"load_ratio={gbps['pack'] / gbps['disk']:.3f} vs_safetensors={gbps['pack'] / gbps['safetensors']:.3f} "
         f"rss_ratio={res['pack']['rss_growth'] / pool_bytes:.3f} pack_gbps={gbps['pack']:.3f} "
         f"disk_gbps={gbps['disk']:.3f} safetensors_gbps={gbps['safetensors']:.3f} "
+        f"verify_cost={gbps['pack_noverify'] / gbps['pack']:.3f} "
+        f"fresh_ratio={gbps['pack'] / gbps['disk_fresh']:.3f} disk_fresh_gbps={gbps['disk_fresh']:.3f} "
         f"pool_gb={pool_bytes / 1e9:.2f} direct_share={res['pack']['direct_bytes'] / pool_bytes:.3f} "
         f"threads={a.threads} loadavg={load[0]:.2f}"
     )

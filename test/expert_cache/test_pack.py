@@ -7,10 +7,11 @@ or header), other-version or stale (config or weight file changed) pack is refus
 message that says what is wrong; a packer killed with SIGKILL at random points never leaves a
 file the server would load.
 
-Model level (``pack_pool_check.py``, one fresh process): the tiny ``qwen3_moe`` model packed by
+Model level (``pack_pool_check.py``, a fresh process per model): the tiny ``qwen3_moe`` model packed by
 the packer, then loaded as a server loads it, from the pack (logged, the experts' checkpoint
 tensors skipped) and, after a bit flip in the pack's data, from the checkpoint (refusal
-logged): every bank row and every other parameter is bit-identical to the checkpoint load.
+logged): every bank row and every other parameter is bit-identical to the checkpoint load;
+the same (pack against checkpoint) for its block-FP8 build, FP8 and scale banks included.
 """
 
 from __future__ import annotations
@@ -149,10 +150,74 @@ def test_bad_packs_are_refused(tmp_path):
     assert "config.json changed" in _refusal(path, src, d)
     (d / "config.json").write_text('{"model_type": "x"}')
     os.utime(d / "model.safetensors", ns=(1, 1))
-    assert "model.safetensors changed since the pack was made (mtime_ns)" in _refusal(path, src, d)
+    assert "model.safetensors changed since the pack was made (mtime_ns" in _refusal(path, src, d)
     # another pool shape (e.g. --dtype float16, or another expert format)
     msg = _refusal(path, _pool(BF16, h=32), d)
     assert "pool hidden_size is 64 in the pack, the server needs 32" in msg
+
+
+def test_same_size_same_mtime_rewrite_is_refused(tmp_path):
+    """A weight file rewritten in place (same bytes count, same safetensors header) with its
+    mtime restored: only the status-change time tells, and the pack is refused."""
+    from safetensors.torch import save_file
+
+    src = _pool()
+    path, d = _write(tmp_path, src)
+    w = d / "model.safetensors"
+    st = w.stat()
+    time.sleep(0.01)  # a later ctime even on a coarse clock
+    save_file({"a": torch.ones(4)}, str(w))  # other data, same header and size
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert w.stat().st_size == st.st_size and w.stat().st_mtime_ns == st.st_mtime_ns
+    msg = _refusal(path, src, d)
+    assert "model.safetensors changed since the pack was made (ctime_ns)" in msg
+
+
+def test_banks_pinned_as_filled_while_others_read(tmp_path, monkeypatch):
+    """``read_pack(pin=...)``: each bank is pinned once, after every chunk of it is read and
+    verified, and before the last bank's reads finish (one reader thread, banks read in
+    order: the w2 reads wait until w13 is pinned, which a pin after the last read would not
+    do); nothing is pinned after a failed chunk."""
+    import threading
+
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 3 * 4096)
+    src = _pool()
+    path, d = _write(tmp_path, src)
+    header = fmt.read_header(path)
+    dst = ExpertBanks(BF16, 64, 32, L * E, "cpu")
+    w13_pinned = threading.Event()
+    calls, waited = [], []
+    real_read = pack_io._read_into
+
+    def read_into(fd, mv, offset):
+        if offset >= min(c.offset for c in header["chunks"] if c.bank == "w2"):
+            waited.append(w13_pinned.wait(timeout=20))
+        real_read(fd, mv, offset)
+
+    def pin(name):
+        calls.append((name, torch.equal(_moe_rows(dst, name), _moe_rows(src, name))))
+        if name == "w13":
+            w13_pinned.set()
+        return name == "w13"  # w2: "the driver refused"
+
+    monkeypatch.setattr(pack_io, "_read_into", read_into)
+    stats = pack_io.read_pack(path, dst, header["chunks"], threads=1, progress=False, pin=pin)
+    assert calls == [("w13", True), ("w2", True)]  # once each, each when complete
+    assert waited and all(waited), "w2 was read before w13 was pinned"
+    assert stats.pinned == ["w13"]
+    for s in src.specs:
+        assert torch.equal(_moe_rows(dst, s.name), _moe_rows(src, s.name))
+
+    # a bit flip in w13's last chunk: no bank is pinned
+    monkeypatch.setattr(pack_io, "_read_into", real_read)
+    last = max((c for c in header["chunks"] if c.bank == "w13"), key=lambda c: c.offset)
+    raw = bytearray(path.read_bytes())
+    raw[last.offset + 5] ^= 1
+    path.write_bytes(bytes(raw))
+    calls.clear()
+    with pytest.raises(fmt.PackRefused, match="fails its checksum"):
+        pack_io.read_pack(path, dst, header["chunks"], threads=1, progress=False, pin=pin)
+    assert calls == []
 
 
 def test_killed_packer_leaves_nothing_loadable(tmp_path):
@@ -202,17 +267,38 @@ def test_routed_expert_names():
     assert not is_routed_expert("model.layers.3.mlp.gate.weight", {3})
 
 
-@pytest.fixture(scope="module")
-def model_results(tmp_path_factory):
+def test_checkpoint_load_progress_logged_once(caplog):
+    import logging
+
+    from sglang.srt.layers.moe.expert_cache.pack_load import with_progress
+
+    w = torch.zeros(4, 8, dtype=torch.bfloat16)  # 64 bytes
+    stream = [
+        ("model.layers.1.mlp.experts.0.gate_proj.weight", w),
+        ("model.layers.1.mlp.gate.weight", w),
+        ("model.layers.2.mlp.experts.3.down_proj.weight", w),
+        ("model.layers.0.mlp.experts.0.up_proj.weight", w),  # not a cache layer
+    ]
+    with caplog.at_level(logging.INFO):
+        out = list(with_progress(iter(stream), {1, 2}, 128, progress=False))
+    assert [n for n, _ in out] == [n for n, _ in stream] and all(t is w for _, t in out)
+    lines = [
+        r.getMessage() for r in caplog.records if "host pool from the checkpoint" in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+    assert "2 routed expert tensors, 0.00 GB" in lines[0] and "GB/s" in lines[0]
+
+
+def _pools(tmp_path_factory, quant, *flags):
     from sglang.test.tiny_models import build
 
-    tmp = tmp_path_factory.mktemp("pack_model")
-    model = build("qwen3_moe", tmp / "qwen3-moe-tiny")
+    tmp = tmp_path_factory.mktemp(f"pack_model_{quant or 'bf16'}")
+    model = build("qwen3_moe", tmp / "qwen3-moe-tiny", quant=quant)
     out = tmp / "pools.pt"
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", TORCHDYNAMO_DISABLE="1")
     env.pop(fmt.PACK_ENV, None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), str(out)],
+        [sys.executable, str(SCRIPT), str(model), str(out), *flags],
         env=env,
         capture_output=True,
         text=True,
@@ -220,6 +306,27 @@ def model_results(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def model_results(tmp_path_factory):
+    return _pools(tmp_path_factory, None)
+
+
+def test_fp8_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
+    """The block-FP8 tiny model (``tiny_models --quant fp8``): the pool (FP8 weights and their
+    ``weight_scale_inv`` banks) and every other parameter loaded from the pack are
+    bit-identical to the checkpoint load (a second subprocess, ~25 s)."""
+    res, log = _pools(tmp_path_factory, "fp8", "--no-corrupt")
+    assert "loaded the host pool from the expert pack" in log
+    ckpt, packed = res["checkpoint"], res["pack"]
+    assert len(ckpt["banks"]) == 4, sorted(ckpt["banks"])  # w13, w2 and their scales
+    for name in ckpt["banks"]:
+        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
+        assert ckpt["banks"][name].any(), name
+    assert ckpt["params"].keys() == packed["params"].keys()
+    for n, p in ckpt["params"].items():
+        assert torch.equal(p, packed["params"][n]), n
 
 
 def test_pool_from_pack_bit_identical_to_checkpoint(model_results):
@@ -238,6 +345,8 @@ def test_pool_from_pack_bit_identical_to_checkpoint(model_results):
 
 def test_corrupt_pack_falls_back_to_checkpoint(model_results):
     res, log = model_results
+    # the ordinary loads (packer, corrupt fallback excluded) report the experts they wrote
+    assert "wrote the host pool from the checkpoint: 768 routed expert tensors" in log
     assert "expert pack refused while reading" in log and "fails its checksum" in log
     assert "repack with `python -m sglang.srt.layers.moe.expert_cache.pack --model-path" in log
     for name, rows in res["checkpoint"]["banks"].items():

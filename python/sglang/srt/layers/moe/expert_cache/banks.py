@@ -227,7 +227,8 @@ class ExpertBanks:
                 self.tensors[s.name] = self._reserved(s, rows)
             else:
                 self.tensors[s.name] = _empty((rows, *s.row_shape), s.dtype, self.device)
-        self._registered = False
+        self._registered = False  # every bank pinned (pin())
+        self._pinned_banks: set = set()  # banks pinned so far (pin_bank())
 
     def _reserved(self, spec: BankSpec, rows: int) -> torch.Tensor:
         nbytes = rows * _row_bytes(spec)
@@ -277,7 +278,8 @@ class ExpertBanks:
         return name in self.tensors
 
     def pin(self) -> bool:
-        """Page-lock the host banks in place so copies to a GPU run at full bandwidth.
+        """Page-lock the host banks in place so copies to a GPU run at full bandwidth (banks
+        already pinned by :meth:`pin_bank`, e.g. while a pack was read, are kept).
 
         Returns:
             True when pinned (also when already pinned, e.g. a pool shared by several caches);
@@ -288,24 +290,47 @@ class ExpertBanks:
             return False
         if self._registered:
             return True
-        cudart = torch.cuda.cudart()
-        for name, t in self.tensors.items():
-            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(err) != 0:
-                logger.warning(
-                    "Expert cache: could not pin the %s host bank (%.2f GB, cudaError %s)",
-                    name,
-                    t.numel() * t.element_size() / 1e9,
-                    int(err),
-                )
+        for name in self.tensors:
+            if not self.pin_bank(name):
                 self.unpin()
                 return False
-            self._registered = True
+        self._registered = True
+        return True
+
+    def pin_bank(self, name: str) -> bool:
+        """Page-lock one host bank (``cudaHostRegister`` of its whole tensor), e.g. as soon as
+        a pack has filled it (:func:`pack_io.read_pack`'s ``pin``). Thread-safe against
+        itself only; call before :meth:`pin`.
+
+        Returns:
+            True when that bank is pinned; False without CUDA or when the driver refused
+            (logged; :meth:`pin` then tries again and reports the fallback).
+
+        Raises:
+            KeyError: no bank of that name.
+        """
+        t = self.tensors[name]
+        if name in self._pinned_banks:
+            return True
+        if self.device.type != "cpu" or not torch.cuda.is_available():
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            logger.warning(
+                "Expert cache: could not pin the %s host bank (%.2f GB, cudaError %s)",
+                name,
+                t.numel() * t.element_size() / 1e9,
+                int(err),
+            )
+            return False
+        self._pinned_banks.add(name)
         return True
 
     def unpin(self) -> None:
-        if self._registered:
+        """Unregister every pinned bank (no-op when none is)."""
+        if self._pinned_banks:
             cudart = torch.cuda.cudart()
-            for t in self.tensors.values():
-                cudart.cudaHostUnregister(t.data_ptr())
-            self._registered = False
+            for name in self._pinned_banks:
+                cudart.cudaHostUnregister(self.tensors[name].data_ptr())
+        self._pinned_banks = set()
+        self._registered = False

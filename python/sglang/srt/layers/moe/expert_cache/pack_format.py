@@ -15,8 +15,8 @@ bytes                 content
 ====================  =====================================================================
 
 The header records: the pack ``version``; the model ``identity`` (SHA-256 of ``config.json``;
-per weight file its name, size, modification time and the SHA-256 of its safetensors header,
-i.e. tensor names, dtypes, shapes and offsets); the expert ``format`` label, the pool shape
+per weight file its name, size, modification time, status-change time (``st_ctime_ns``) and
+the SHA-256 of its safetensors header, i.e. tensor names, dtypes, shapes and offsets); the expert ``format`` label, the pool shape
 (``num_layers``, ``num_experts``, ``hidden_size``, ``intermediate_size``), the packed MoE
 ``layers``; per bank its name, row shape and dtype; and the ``slabs``, each cut into chunks of
 at most ``chunk_bytes`` with one XXH3-128 checksum per chunk (verified by the reader threads,
@@ -38,8 +38,14 @@ several GB/s; ``xxhash`` is already a pinned dependency). What is reused: ``alig
 (temporary file, fsync, rename, fsync of the folder: ``pack_io.write_pack``), and the idea of
 a magic, a version and identity digests in the header. Upstream's identity hashes whole
 source files; ours hashes ``config.json`` and each safetensors header and compares sizes and
-modification times, since a server start must not read the checkpoint it is trying to skip
-(a weight file rewritten in place with the same header, size and mtime is not detected).
+modification and status-change times, since a server start must not read the checkpoint it is
+trying to skip (hashing whole weight files at every start reads the whole checkpoint, slower
+than the load the pack replaces). The status-change time is what catches a rewrite that keeps
+size, header and mtime (``os.utime`` or ``cp -p`` / ``rsync -t`` restore the mtime, but any
+write, rename-over or ``utime`` sets ``st_ctime`` to now, and no call sets it back): the file
+is whole-file identical to the packed one unless someone also changed the system clock. The
+price is false alarms: ``chmod``, ``touch``, or a copy of the model folder (new ctimes) also
+refuse the pack, and the message says to repack; the safe direction.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ import xxhash
 from sglang.srt.model_loader.expert_pack.format import align_up
 
 MAGIC = b"SGLANG-EXPOOL\0\0\0"
-VERSION = 1
+VERSION = 2  # 2: weight files' ctime_ns in the identity
 PREFIX = struct.Struct("<16sIIQ16s")  # magic, version, reserved, header length, header XXH3
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses in multiples of this
 CHUNK_BYTES = 64 << 20  # one reader-thread task and one checksum
@@ -103,7 +109,7 @@ def model_identity(model_dir: os.PathLike | str) -> dict:
     """The identity of the model folder a pack was made from (no tensor data is read).
 
     Returns:
-        ``{"config_sha256": hex, "weight_files": [{"name", "size", "mtime_ns",
+        ``{"config_sha256": hex, "weight_files": [{"name", "size", "mtime_ns", "ctime_ns",
         "header_sha256"}, ...]}``.
 
     Raises:
@@ -118,6 +124,7 @@ def model_identity(model_dir: os.PathLike | str) -> dict:
                 name=p.name,
                 size=st.st_size,
                 mtime_ns=st.st_mtime_ns,
+                ctime_ns=st.st_ctime_ns,
                 header_sha256=_safetensors_header_sha256(p),
             )
         )
@@ -224,7 +231,8 @@ def check_header(header: dict, identity: dict, pool: dict) -> List[str]:
     if set(old) != set(new):
         problems.append(f"weight files differ (pack: {sorted(old)}, model folder: {sorted(new)})")
     for name in sorted(set(old) & set(new)):
-        changed = [k for k in ("size", "mtime_ns", "header_sha256") if old[name][k] != new[name][k]]
+        keys = ("size", "mtime_ns", "ctime_ns", "header_sha256")
+        changed = [k for k in keys if old[name].get(k) != new[name][k]]
         if changed:
             problems.append(f"{name} changed since the pack was made ({', '.join(changed)})")
     for key, want in pool.items():

@@ -10,11 +10,20 @@
   unaligned bank address or a tail that is not a multiple of 4096 bytes) and for everything
   when the file system refuses ``O_DIRECT`` (tmpfs). Each reader thread verifies the checksum
   of every chunk it read (XXH3 releases the GIL, as ``preadv`` does), so verification runs in
-  parallel with the reads of the other threads.
+  parallel with the reads of the other threads. Before its read, each thread commits the
+  chunk's bank pages (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+; ignored where refused).
+  With ``pin``, each bank is handed to a background pinning thread as soon as its last chunk
+  is verified, while the other banks are still being read (FreeToken §3.3: pin only filled
+  memory; here overlapped with the reads of the rest).
 
-Python threads are enough: each chunk is one ``preadv`` syscall of up to 64 MiB and one hash
-call, both outside the GIL; ``benchmark/expert_cache/bench_pool_load.py`` compares the
-result with a sequential direct read of the disk.
+Where the time goes (``benchmark/expert_cache/bench_pool_load.py``, RESULTS.md): not the
+Python threads, the GIL or the checksum (XXH3 of the whole pool is ~0.2 s of CPU; each chunk is
+one ``preadv`` of up to 64 MiB and one hash call, both outside the GIL) but the first touch of
+the fresh bank pages: ``O_DIRECT`` into untouched anonymous memory faults and zeroes every page
+inside the read syscall, 4 KiB at a time (about 1 s of CPU per GB on the benchmark machine),
+serialized behind the read it blocks. Committing the pages in batches with
+``MADV_POPULATE_WRITE`` first, per chunk and in the reader threads, overlaps it with the other
+threads' reads. So the readers stay in Python (no C++ reader).
 """
 
 from __future__ import annotations
@@ -26,15 +35,31 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from sglang.srt.layers.moe.expert_cache import pack_format as fmt
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_THREADS = 4
+_MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
+_libc = None
+
+
+def _populate(addr: int, nbytes: int) -> bool:
+    """Commit the whole pages inside ``[addr, addr + nbytes)`` for writing, in one call
+    (``madvise(MADV_POPULATE_WRITE)``, which releases the GIL through ctypes). Returns False
+    where the kernel refuses it (older than 5.14, or not anonymous memory): the read then
+    faults the pages in itself."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lo = -(-addr // fmt.ALIGN) * fmt.ALIGN
+    hi = (addr + nbytes) // fmt.ALIGN * fmt.ALIGN
+    return hi <= lo or _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0
 
 
 def _view(tensor, dst: int, nbytes: int) -> memoryview:
@@ -134,12 +159,14 @@ def write_pack(
 
 @dataclass
 class ReadStats:
-    """What :func:`read_pack` did: bytes, seconds, bytes read with ``O_DIRECT``, threads."""
+    """What :func:`read_pack` did: bytes, seconds, bytes read with ``O_DIRECT``, threads, and
+    the banks pinned in the background (in the order they were pinned)."""
 
     nbytes: int
     seconds: float
     direct_bytes: int
     threads: int
+    pinned: List[str] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -171,6 +198,8 @@ def read_pack(
     threads: int = DEFAULT_THREADS,
     direct: bool = True,
     progress: bool = True,
+    verify: bool = True,
+    pin: Optional[Callable[[str], bool]] = None,
 ) -> ReadStats:
     """Read ``chunks`` of the pack at ``path`` into ``banks``' tensors and verify them.
 
@@ -178,9 +207,15 @@ def read_pack(
         path: the pack (header already checked: :func:`pack_format.read_header`).
         banks: an ``ExpertBanks`` (or any mapping bank name -> CPU tensor) of the pool shape.
         chunks: the header's chunks.
-        threads: reader threads (each reads and verifies whole chunks).
+        threads: reader threads (each commits the chunk's pages, reads it and verifies it).
         direct: try ``O_DIRECT`` (falls back to buffered reads where it is refused).
         progress: show a bar (GB, GB/s) on stderr.
+        verify: check every chunk's XXH3-128 (off only to measure what checksums cost).
+        pin: called as ``pin(bank_name)`` on one background thread as soon as the last chunk
+            of that bank is read and verified (while other banks are still being read), once
+            per bank, in the order banks complete; returns True when pinned (the names are
+            in ``ReadStats.pinned``). Never called after a failed chunk. ``read_pack`` returns
+            only when every pin call has returned.
 
     Returns:
         :class:`ReadStats`.
@@ -193,15 +228,27 @@ def read_pack(
     buffered = os.open(path, os.O_RDONLY)
     dfd = _open_direct(path) if direct else None
     lock = threading.Lock()
-    state = dict(direct_ok=dfd is not None, direct_bytes=0)
+    state = dict(direct_ok=dfd is not None, direct_bytes=0, populate=True, failed=False)
     total = sum(c.nbytes for c in chunks)
     bar = _progress(total, "Loading expert pack") if progress else None
+    left = {}  # bank -> chunks not yet verified
+    for c in chunks:
+        left[c.bank] = left.get(c.bank, 0) + 1
+    pinned: List[str] = []
+    pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack-pin") if pin else None
+    pin_futures = []
+
+    def pin_one(name: str) -> None:
+        if pin(name):
+            pinned.append(name)
 
     def one(c: "fmt.Chunk") -> None:
         bank = banks[c.bank]
         mv = _view(bank, c.dst, c.nbytes)
         head = 0
         addr = bank.data_ptr() + c.dst
+        if state["populate"] and not _populate(addr, c.nbytes):
+            state["populate"] = False  # refused (old kernel): the reads fault the pages in
         if state["direct_ok"] and addr % fmt.ALIGN == 0 and c.offset % fmt.ALIGN == 0:
             head = c.nbytes // fmt.ALIGN * fmt.ALIGN
             try:
@@ -214,20 +261,31 @@ def read_pack(
                 head = 0
         if head < c.nbytes:
             _read_into(buffered, mv[head:], c.offset + head)
-        if fmt.checksum(mv) != c.checksum:
+        if verify and fmt.checksum(mv) != c.checksum:
             raise fmt.PackRefused(
                 f"{path}: the chunk at byte {c.offset} ({c.nbytes} bytes of bank {c.bank}) "
                 "fails its checksum (the file is corrupt)"
             )
         with lock:
             state["direct_bytes"] += head
+            left[c.bank] -= 1
+            if pinner is not None and left[c.bank] == 0 and not state["failed"]:
+                pin_futures.append(pinner.submit(pin_one, c.bank))
             if bar is not None:
                 bar.update(c.nbytes)
+
+    def guarded(c: "fmt.Chunk") -> None:
+        try:
+            one(c)
+        except BaseException:
+            with lock:
+                state["failed"] = True
+            raise
 
     start = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            futures = [pool.submit(one, c) for c in chunks]
+            futures = [pool.submit(guarded, c) for c in chunks]
             errors: List[BaseException] = []
             for f in futures:
                 try:
@@ -237,9 +295,13 @@ def read_pack(
             if errors:
                 raise errors[0]
     finally:
+        if pinner is not None:
+            pinner.shutdown(wait=True)
         if bar is not None:
             bar.close()
         os.close(buffered)
         if dfd is not None:
             os.close(dfd)
-    return ReadStats(total, time.perf_counter() - start, state["direct_bytes"], threads)
+    for f in pin_futures:
+        f.result()
+    return ReadStats(total, time.perf_counter() - start, state["direct_bytes"], threads, pinned)

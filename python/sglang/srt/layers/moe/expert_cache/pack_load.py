@@ -21,8 +21,14 @@ path; ``off`` disables packs) or else ``<model folder>/sglang-expert-pool.pack``
    starts from the checkpoint; otherwise the load is logged (GB, GB/s, share read with
    ``O_DIRECT``).
 
-The banks are pinned (CUDA) afterwards, when the first MoE layer's
-``process_weights_after_loading`` finalizes the cache, as before: never while empty.
+Without a usable pack (none, packs off, or refused) the stream goes through
+:func:`with_progress`: a bar of the experts written into the host pool (GB, GB/s) and one log
+line at the end.
+
+On CUDA each host bank is pinned (``ExpertBanks.pin_bank``) on a background thread as soon as
+the pack has filled it, while the other banks are still read (``read_pack``'s ``pin``); the
+cache's ``finalize`` then finds them pinned. Without a pack the banks are pinned at
+``finalize``, after the checkpoint load: never while empty.
 """
 
 from __future__ import annotations
@@ -91,9 +97,11 @@ def is_routed_expert(name: str, layers) -> bool:
 def with_expert_pack(
     weights: Iterable[Tuple[str, torch.Tensor]],
 ) -> Iterable[Tuple[str, torch.Tensor]]:
-    """``weights`` itself, or, when a valid pack fills the expert cache's host pool, the
-    stream without the routed experts while the pack is read (module docstring). Never
-    raises for a bad pack: it logs why and returns ``weights``."""
+    """``weights`` itself (without an expert cache), ``weights`` with a progress bar of the
+    experts written into the host pool (:func:`with_progress`: no pack, packs off, or a pack
+    refused), or, when a valid pack fills the host pool, the stream without the routed
+    experts while the pack is read (module docstring). Never raises for a bad pack: it logs
+    why and loads the checkpoint."""
     from sglang.srt.layers.moe.expert_cache.method import get_expert_slot_cache
     from sglang.srt.runtime_context import process_model_config
 
@@ -104,7 +112,7 @@ def with_expert_pack(
     folder = model_folder(config.model_path, getattr(config, "revision", None))
     path = pack_path(folder) if folder is not None else None
     if path is None:
-        return weights
+        return with_progress(weights, cache.layer_ids, cache.host.expert_bytes * cache.pool_experts)
     repack = fmt.REPACK.format(model=config.model_path)
     if not path.exists():
         logger.info(
@@ -113,7 +121,7 @@ def with_expert_pack(
             path,
             repack,
         )
-        return weights
+        return with_progress(weights, cache.layer_ids, cache.host.expert_bytes * cache.pool_experts)
     try:
         header = open_pack(path, folder, cache)
     except (fmt.PackRefused, OSError, ValueError, KeyError) as e:
@@ -124,17 +132,69 @@ def with_expert_pack(
             repack,
             path,
         )
-        return weights
+        return with_progress(weights, cache.layer_ids, cache.host.expert_bytes * cache.pool_experts)
     return _stream(weights, path, header, cache, repack)
+
+
+def with_progress(
+    weights: Iterable[Tuple[str, torch.Tensor]], layers, pool_bytes: int, progress: bool = True
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``weights`` unchanged, with a progress bar (GB, GB/s, on stderr) of the routed expert
+    tensors of ``layers`` going by (the ones ``FusedMoE``'s loaders write into the host pool)
+    and one log line when the stream ends: GB, seconds, GB/s.
+
+    Args:
+        weights: the checkpoint's ``(name, tensor)`` stream.
+        layers: the expert cache's MoE layers.
+        pool_bytes: the bar's total (the host pool's routed bytes; a checkpoint's experts in
+            another dtype make the bar end below or above it, the log line has the real count).
+        progress: show the bar (the log line is always written).
+    """
+    import time
+
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=pool_bytes,
+        desc="Experts into the host pool",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        mininterval=1.0,
+        disable=not progress,
+    )
+    nbytes, count, t0 = 0, 0, time.perf_counter()
+    try:
+        for name, tensor in weights:
+            if is_routed_expert(name, layers):
+                n = tensor.numel() * tensor.element_size()
+                nbytes += n
+                count += 1
+                bar.update(n)
+            yield name, tensor
+    finally:
+        bar.close()
+    dt = time.perf_counter() - t0
+    logger.info(
+        "Expert cache: wrote the host pool from the checkpoint: %d routed expert tensors, "
+        "%.2f GB in %.2f s (%.2f GB/s, the whole weight stream's time)",
+        count,
+        nbytes / 1e9,
+        dt,
+        nbytes / max(dt, 1e-9) / 1e9,
+    )
 
 
 def _stream(weights, path: Path, header: dict, cache, repack: str) -> Iterator:
     threads = int(os.environ.get(READ_THREADS_ENV, pack_io.DEFAULT_THREADS))
+    pin = cache.host.pin_bank if cache.device.type == "cuda" else None
     result: dict = {}
 
     def read() -> None:
         try:
-            result["stats"] = pack_io.read_pack(path, cache.host, header["chunks"], threads)
+            result["stats"] = pack_io.read_pack(
+                path, cache.host, header["chunks"], threads, pin=pin
+            )
         except BaseException as e:  # reported after the stream, where the fallback is
             result["error"] = e
 
@@ -165,12 +225,14 @@ def _stream(weights, path: Path, header: dict, cache, repack: str) -> Iterator:
     s = result["stats"]
     logger.info(
         "Expert cache: loaded the host pool from the expert pack %s: %.2f GB in %.2f s "
-        "(%.2f GB/s, %d threads, %.0f%% O_DIRECT); %d expert tensors of the checkpoint skipped",
+        "(%.2f GB/s, %d threads, %.0f%% O_DIRECT, %d banks pinned while reading); %d expert "
+        "tensors of the checkpoint skipped",
         path,
         s.nbytes / 1e9,
         s.seconds,
         s.gbps,
         s.threads,
         100.0 * s.direct_bytes / max(s.nbytes, 1),
+        len(s.pinned),
         len(skipped),
     )
