@@ -343,7 +343,9 @@ class ExpertSlotCache:
                 there); None = nothing.
 
         Returns:
-            bytes of slot memory released to the OS (0 for a grow, and on CUDA for now).
+            bytes of slot memory released to the OS (0 for a grow, and on CUDA for now): the
+            rows between the new and the old end, at most; a row that was never filled since
+            the last shrink was never committed.
 
         Raises:
             RuntimeError: before :meth:`finalize`.
@@ -396,7 +398,10 @@ class ExpertSlotCache:
         if num_slots < old:
             try:
                 step("release")
-                released = self.slots.release_rows(num_slots)
+                # Rows past the old end hold nothing committed: count [num_slots, old) only.
+                released = min(
+                    self.slots.release_rows(num_slots), (old - num_slots) * self.host.expert_bytes
+                )
             except Exception as e:  # the resize stands; only the memory stays committed
                 logger.warning("Expert cache: the shrunk tail was not released (%s)", e)
         logger.info(
