@@ -152,6 +152,111 @@ def test_metrics_exported(results, server_pool):
     assert calls in (layers * new_tokens, layers * (new_tokens + 1)), (calls, layers)
 
 
+STREAMS = 8
+STREAM_TOKENS = 32
+# Alternating shrinks and grows of the 8-slot server's pool (4 layers x 64 experts = 256).
+REBALANCES = ["64", "8", "100%", "16", "50%", "8", "128", "12"]
+
+
+def _stream_tokens(url: str, ids: list[int]) -> list[int]:
+    """A greedy streaming ``/generate`` of ``STREAM_TOKENS`` tokens (EOS ignored): the output
+    token ids of its last chunk; the status must be 200 and the stream end with [DONE]."""
+    r = requests.post(
+        url + "/generate",
+        json={
+            "input_ids": ids,
+            "stream": True,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": STREAM_TOKENS,
+                "ignore_eos": True,
+            },
+        },
+        stream=True,
+        timeout=600,
+    )
+    assert r.status_code == 200, r.text
+    chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert chunks and chunks[-1] == "[DONE]", chunks[-2:]
+    out = json.loads(chunks[-2])["output_ids"]
+    assert len(out) == STREAM_TOKENS, len(out)
+    return out
+
+
+def _concurrent_streams(url: str, prompts: list[list[int]], during=None) -> list[list[int]]:
+    """Every prompt streamed at once; ``during()`` runs while they are in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_stream_tokens, url, ids) for ids in prompts]
+        if during is not None:
+            during(futures)
+        return [f.result() for f in futures]
+
+
+def _rebalance(url: str, size, **extra) -> requests.Response:
+    return requests.post(
+        url + "/rebalance_memory", json={"expert_cache_size": size, **extra}, timeout=120
+    )
+
+
+def test_rebalance_with_streams_in_flight(results, server_pool):
+    """Issue 15: ``POST /rebalance_memory`` resizes the pool between batches while 8 greedy
+    streams run; every stream completes with 200 and exactly the tokens of the same streams
+    run before without rebalances (the host pool is the source of truth), and the rebalances
+    are counted in the split and the metrics."""
+    arch, config = METRICS_CONFIG
+    results(arch, config)  # the module's outputs of this server, taken before any rebalance
+    srv = server_pool.get(arch, _cache_args(arch, config))
+    prompts = random_prompts(lengths=(5, 12, 31, 64, 97, 140, 200, 300), seed=7)[:STREAMS]
+    want = _concurrent_streams(srv.url, prompts)
+    done = []
+
+    def storm(futures):
+        time.sleep(0.5)  # the streams are admitted and decoding
+        for size in REBALANCES:
+            r = _rebalance(srv.url, size)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            in_flight = sum(not f.done() for f in futures)
+            done.append((size, body["expert_cache"]["slots"], body["time_ms"], in_flight))
+            time.sleep(0.1)
+
+    got = _concurrent_streams(srv.url, prompts, during=storm)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert a == b, f"stream {i}: tokens differ after rebalances {done}"
+    assert [d[1] for d in done] == [64, 8, 256, 16, 128, 8, 128, 12], done
+    assert sum(d[3] > 0 for d in done) >= len(REBALANCES) // 2, done  # while streams ran
+    split = requests.get(srv.url + "/rebalance_memory", timeout=60).json()
+    cache, kv = split["expert_cache"], split["kv"]
+    assert cache["slots"] == 12 and cache["slot_bytes"] == 12 * cache["expert_bytes"]
+    assert cache["rebalances"] >= len(REBALANCES) and kv["kv_tokens"] > 0
+    text = requests.get(srv.url + "/metrics", timeout=60).text
+    assert metric(text, "sglang:expert_cache_rebalances_total") >= len(REBALANCES)
+    assert metric(text, "sglang:expert_cache_slots") == 12
+    assert metric(text, "sglang:expert_cache_last_rebalance_ms") > 0
+    assert _rebalance(srv.url, "8").status_code == 200  # as test_metrics_exported found it
+    assert results(arch, config) == greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ({"expert_cache_size": "4"}, "below the floor of one layer's top-k: 8 slots"),
+        ({"expert_cache_size": "1000"}, "largest feasible target is 256 slots"),
+        ({"device_memory_budget": "1GB"}, "device_memory_budget is not supported yet"),
+        ({"expert_cache_size": "lots"}, "expert_cache_size must be auto, a slot count"),
+    ],
+)
+def test_rebalance_bad_targets(server_pool, body, match):
+    srv = server_pool.get(*METRICS_CONFIG[:1], _cache_args(*METRICS_CONFIG))
+    r = requests.post(srv.url + "/rebalance_memory", json=body, timeout=60)
+    assert r.status_code == 400 and match in r.json()["message"], r.text
+    assert (
+        requests.get(srv.url + "/rebalance_memory", timeout=60).json()["expert_cache"]["slots"] == 8
+    )
+
+
 def _settled_calls(url: str, timeout_s: float = 20.0) -> float:
     """``sglang:expert_cache_calls_total`` once two reads 0.5 s apart agree."""
     deadline = time.monotonic() + timeout_s

@@ -26,7 +26,7 @@ of MoE kernel.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -127,6 +127,11 @@ class ExpertSlotCache:
         self.fill_ratio = 0.0  # B_P / B_H as the control step uses it (0 without slots)
         self._cuda = None  # cuda_branch.CudaForward on a CUDA device
         self._eager_calls = 0  # Python-side layer calls (a graph replay adds none)
+        # Rebalances on request (module ``rebalance``): done, failed and rolled back, and the
+        # last one's wall time in ms.
+        self.rebalances = 0
+        self.rebalance_failures = 0
+        self.last_rebalance_ms = 0.0
         self.metrics = ExpertCacheMetrics(self.snapshot, self.device)
         self.recorder = None
         if config.record_routing:
@@ -313,7 +318,7 @@ class ExpertSlotCache:
         """The most slots :meth:`resize_slots` can give (reserved at :meth:`finalize`)."""
         return self.tables.id_of_slot.numel() if self.finalized else 0
 
-    def resize_slots(self, num_slots: int) -> int:
+    def resize_slots(self, num_slots: int, on_step: Optional[Callable[[str], None]] = None) -> int:
         """Resize the slot pool at a safe point (no layer call in flight), keeping the most
         recently used entries; FreeToken §3.3 "Runtime cache reconfiguration" (module
         :mod:`resize`). A shrink moves kept entries below the new end (a row copy in every
@@ -321,19 +326,35 @@ class ExpertSlotCache:
         Outputs stay what they were: on the CPU bit for bit (the host pool is the source of
         truth).
 
+        The steps (:data:`resize.RESIZE_STEPS`) are ``bandwidths`` (only for a grow from 0
+        slots: B_P / B_H were never measured), ``plan`` (the table update computed on a copy of
+        the tables), ``gather`` (the rows that move, read into new buffers: every allocation
+        of the resize) -- nothing of the cache changes until here, so a failure leaves it as
+        it was -- then ``commit``, the point of no return (rows scattered into their new slots
+        and the tables copied in, no allocation: if it fails all the same, the cache goes back
+        to its previous slot count with every slot empty, which changes speed, never
+        results), then ``release`` (the tail's memory returned; a failure there is logged and
+        the resize stands, with 0 bytes released).
+
         Args:
             num_slots: the new slot count: 0 (every expert on the CPU) or at least ``top_k``,
                 at most :attr:`slot_capacity`.
+            on_step: called with each step's name before the step runs (tests inject failures
+                there); None = nothing.
 
         Returns:
-            bytes of slot memory released to the OS (0 for a grow, and on CUDA for now).
+            bytes of slot memory released to the OS (0 for a grow, and on CUDA for now): the
+            rows between the new and the old end, at most; a row that was never filled since
+            the last shrink was never committed.
 
         Raises:
             RuntimeError: before :meth:`finalize`.
             ValueError: ``num_slots`` between 1 and ``top_k - 1`` or above the capacity; the
                 cache is unchanged.
+            Exception: whatever a step raised (an allocation failure, ...), after the rollback
+                described above.
         """
-        from sglang.srt.layers.moe.expert_cache.resize import resize_tables
+        from sglang.srt.layers.moe.expert_cache.resize import copy_tables, resize_tables
 
         if not self.finalized:
             raise RuntimeError("Expert cache: resize_slots before the cache was built")
@@ -342,25 +363,64 @@ class ExpertSlotCache:
                 f"expert cache size must be 0 or {self.top_k}..{self.slot_capacity} slots "
                 f"(one layer's top-k up to the reserved pool), got {num_slots}"
             )
+        step = on_step or (lambda name: None)
+        # Dry run: everything that can fail, on copies.
+        bandwidths, fill_ratio = self.bandwidths, self.fill_ratio
         if num_slots and not self.num_slots and self.fill_ratio == 0.0:
-            self.bandwidths = self.measure_bandwidths(
+            step("bandwidths")
+            bandwidths = self.measure_bandwidths(
                 torch.ops.sgl_kernel.expert_pool_set_threads(self.config.cpu_threads)
             )
-            self.fill_ratio = self.bandwidths.fill_ratio
-        src, dst = resize_tables(self.tables, num_slots)
-        if src.numel():
-            for bank in self.slots.tensors.values():
-                bank.index_copy_(0, dst, bank.index_select(0, src))
-        released = self.slots.release_rows(num_slots) if num_slots < self.num_slots else 0
+            fill_ratio = bandwidths.fill_ratio
+        step("plan")
+        scratch = copy_tables(self.tables)
+        src, dst = resize_tables(scratch, num_slots)
+        step("gather")
+        rows = {n: b.index_select(0, src) for n, b in self.slots.tensors.items() if src.numel()}
+        # The point of no return: no allocation from here on.
+        try:
+            step("commit")
+            for name, moved in rows.items():
+                self.slots.tensors[name].index_copy_(0, dst, moved)
+            copy_tables(scratch, into=self.tables)
+        except BaseException:
+            self._empty_slots()
+            logger.error(
+                "Expert cache: resize to %d slots failed while committing; back to %d slots, "
+                "all empty",
+                num_slots,
+                self.num_slots,
+            )
+            raise
+        old, self.num_slots = self.num_slots, num_slots
+        self.bandwidths, self.fill_ratio = bandwidths, fill_ratio
+        released = 0
+        if num_slots < old:
+            try:
+                step("release")
+                # Rows past the old end hold nothing committed: count [num_slots, old) only.
+                released = min(
+                    self.slots.release_rows(num_slots), (old - num_slots) * self.host.expert_bytes
+                )
+            except Exception as e:  # the resize stands; only the memory stays committed
+                logger.warning("Expert cache: the shrunk tail was not released (%s)", e)
         logger.info(
             "Expert cache: %d -> %d slots (%d entries moved, %.1f MB released)",
-            self.num_slots,
+            old,
             num_slots,
             src.numel(),
             released / 1e6,
         )
-        self.num_slots = num_slots
         return released
+
+    def _empty_slots(self) -> None:
+        """Every slot empty and never used, at the current :attr:`num_slots` (a valid state
+        whatever the banks hold: a resize's commit failed halfway)."""
+        t = self.tables
+        t.id_of_slot.fill_(-1)
+        t.slot_last_use.fill_(-1)
+        t.slot_of_id.fill_(-1)
+        t.live_slots.fill_(self.num_slots)
 
     # ---------------------------------------------------------------- forward
     def control(self, layer_id: int, topk_ids: torch.Tensor) -> Routing:
@@ -447,7 +507,9 @@ class ExpertSlotCache:
         """Cumulative counters (reads device tensors: a sync on a GPU).
 
         Keys: hits, misses, fills, cpu_experts (distinct experts per layer call, summed over
-        calls), calls (layer calls), slots, occupied_slots, fill_ratio (B_P / B_H).
+        calls), calls (layer calls), slots, occupied_slots, fill_ratio (B_P / B_H),
+        slot_bytes (slots x bytes of one expert), rebalances, rebalance_failures,
+        last_rebalance_ms (module ``rebalance``).
         """
         stats = self.tables.stats.tolist() if self.finalized else [0] * len(Stat)
         return dict(
@@ -459,6 +521,10 @@ class ExpertSlotCache:
             slots=self.num_slots,
             occupied_slots=int((self.tables.id_of_slot >= 0).sum()) if self.num_slots else 0,
             fill_ratio=self.bandwidths.fill_ratio if self.bandwidths else float("nan"),
+            slot_bytes=self.num_slots * self.host.expert_bytes,
+            rebalances=self.rebalances,
+            rebalance_failures=self.rebalance_failures,
+            last_rebalance_ms=self.last_rebalance_ms,
         )
 
     def publish_metrics(self) -> None:

@@ -1,7 +1,8 @@
 """Prometheus export of the expert cache's counters (``--enable-metrics``).
 
-Counters ``sglang:expert_cache_{hits,misses,fills,cpu_experts,calls}_total`` and gauges
-``sglang:expert_cache_{slots,occupied_slots,fill_ratio,fills_per_layer_call}``, from
+Counters ``sglang:expert_cache_{hits,misses,fills,cpu_experts,calls,rebalances,
+rebalance_failures}_total`` and gauges ``sglang:expert_cache_{slots,occupied_slots,fill_ratio,
+slot_bytes,last_rebalance_ms,fills_per_layer_call}``, from
 :meth:`ExpertSlotCache.snapshot`. Layer calls replayed from a CUDA graph run no Python, so the
 scheduler's decode log also publishes them (patch ``0033-expert-cache-metrics-at-decode-log``).
 """
@@ -18,6 +19,8 @@ _COUNTERS = {
     "fills": "Experts copied host -> slot",
     "cpu_experts": "Experts executed on the CPU from the host pool",
     "calls": "MoE layer calls through the expert cache",
+    "rebalances": "Slot-pool resizes done by /rebalance_memory",
+    "rebalance_failures": "Slot-pool resizes that failed and rolled back",
 }
 _GAUGES = {
     "slots": ("sglang:expert_cache_slots", "Expert slots"),
@@ -25,6 +28,11 @@ _GAUGES = {
     "fill_ratio": (
         "sglang:expert_cache_fill_ratio",
         "B_P / B_H, the share of misses filled under the qstar policy",
+    ),
+    "slot_bytes": ("sglang:expert_cache_slot_bytes", "Bytes of the expert slots"),
+    "last_rebalance_ms": (
+        "sglang:expert_cache_last_rebalance_ms",
+        "Wall time of the last slot-pool resize, ms",
     ),
     "fills_per_call": (
         "sglang:expert_cache_fills_per_layer_call",
@@ -83,7 +91,7 @@ class ExpertCacheMetrics:
             delta = snap[k] - self._last.get(k, 0)
             if delta > 0:
                 c.inc(delta)
-        for k in ("slots", "occupied_slots", "fill_ratio"):
+        for k in ("slots", "occupied_slots", "fill_ratio", "slot_bytes", "last_rebalance_ms"):
             self._gauges[k].set(snap[k])
         self._gauges["fills_per_call"].set(snap["fills"] / max(1, snap["calls"]))
         self._last = dict(snap)

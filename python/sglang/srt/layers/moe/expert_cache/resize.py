@@ -16,11 +16,41 @@ evicted entry changes speed, never results.
 
 from __future__ import annotations
 
-from typing import Tuple
+import dataclasses
+from typing import Optional, Tuple
 
 import torch
 
 from sglang.srt.layers.moe.expert_cache.control import ExpertCacheTables
+
+# The steps of ``ExpertSlotCache.resize_slots``, in order; before ``commit`` nothing of the cache
+# has changed (the dry run), ``commit`` is the point of no return.
+RESIZE_STEPS = ("bandwidths", "plan", "gather", "commit", "release")
+# The tables a resize rewrites (the clock and the counters stay).
+RESIZED_TABLES = ("slot_of_id", "id_of_slot", "slot_last_use", "live_slots")
+
+
+def copy_tables(
+    tables: ExpertCacheTables, into: Optional[ExpertCacheTables] = None
+) -> ExpertCacheTables:
+    """Copy the tables a resize rewrites (:data:`RESIZED_TABLES`).
+
+    Args:
+        tables: the source.
+        into: tables of the same shapes to copy into, in place (``Tensor.copy_``: no
+            allocation); None = new tensors (clones; the clock and counters are shared with
+            ``tables``, a resize does not write them).
+
+    Returns:
+        ``into``, or the new copy.
+    """
+    if into is None:
+        return dataclasses.replace(
+            tables, **{n: getattr(tables, n).clone() for n in RESIZED_TABLES}
+        )
+    for n in RESIZED_TABLES:
+        getattr(into, n).copy_(getattr(tables, n))
+    return into
 
 
 def resize_tables(tables: ExpertCacheTables, live_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
