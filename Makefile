@@ -9,7 +9,7 @@ SGLANG_WHEEL = $(firstword $(wildcard .cache/wheels/sglang-0.5.23-*.whl))
 QUEUE   ?= .patch-queue
 NO_WHEEL = $(error no .cache/wheels/sglang-0.5.23-*.whl: run make setup first)
 
-.PHONY: setup serve model test lint format check-patches patches-import patches-export patches-rebase bench-replay gpu-wheels agents clean
+.PHONY: setup serve model test lint format check-patches patches-import patches-export patches-rebase bench-replay gpu-wheels agents test-agents clean
 
 setup:
 	bash scripts/setup.sh
@@ -64,6 +64,12 @@ gpu-wheels:
 # The agent clients (OpenClaw, OpenCode, Claude Code) at pinned versions into .cache/agents.
 agents:
 	bash scripts/install_agents.sh
+
+# Opt-in (not in `make test`: the install is ~1.5 GB, ~4.5 min cold): the clients' tool loops
+# against the real server (test/e2e/test_endpoints_agent_clients.py); the install is skipped
+# when .cache/agents already holds the pinned set.
+test-agents: setup agents
+	$(PY) -m pytest test/e2e/test_endpoints_agent_clients.py -q -ra
 
 clean:
 	rm -rf .venv .models .cache .gpu-wheels .gpu-checks sgl-kernel/build

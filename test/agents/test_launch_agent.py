@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def fake_server():
         "/v1/models": {"object": "list", "data": [{"id": MODEL, "max_model_len": CONTEXT}]},
     }
     seen = []
+    prefill = {"ok": True, "delay_s": 0.05}
 
     class H(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -38,18 +40,32 @@ def fake_server():
             self.end_headers()
             self.wfile.write(body)
 
+        def do_POST(self):  # noqa: N802
+            n = int(self.headers["Content-Length"])
+            req = json.loads(self.rfile.read(n))
+            seen.append((self.path, len(req["input_ids"]), req["sampling_params"]))
+            if self.path != "/generate" or not prefill["ok"]:
+                self.send_response(404)
+                self.end_headers()
+                return
+            time.sleep(prefill["delay_s"])
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"text": "x", "meta_info": {}}')
+
         def log_message(self, *a):
             pass
 
     srv = HTTPServer(("127.0.0.1", 0), H)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
-    yield f"http://127.0.0.1:{srv.server_port}", seen
+    yield f"http://127.0.0.1:{srv.server_port}", seen, prefill
     srv.shutdown()
 
 
 def test_read_server(fake_server):
-    url, seen = fake_server
+    url, seen, _ = fake_server
     s = la.read_server(url + "/")
     assert s == la.ServerInfo(url, MODEL, CONTEXT, la.MAX_OUTPUT, True)
     assert seen == ["/model_info", "/v1/models"]
@@ -147,3 +163,61 @@ def test_client_args_after_double_dash(fake_server, monkeypatch, tmp_path):
     ((exe, args, env),) = calls
     assert exe == "/bin/claude" and args == ["/bin/claude", "-p", "hi"]
     assert env["ANTHROPIC_MODEL"] == MODEL
+
+
+def test_prefill_rate_is_timed_on_fresh_tokens(fake_server):
+    url, seen, prefill = fake_server
+    rate = la.measure_prefill_rate(url)
+    assert 0 < rate < la.PROBE_TOKENS / prefill["delay_s"]  # the server's delay is included
+    ((path, n, params),) = [x for x in seen if isinstance(x, tuple)]
+    assert (path, n, params["max_new_tokens"]) == ("/generate", la.PROBE_TOKENS, 1)
+
+
+@pytest.mark.parametrize(
+    "context, rate, want",
+    [
+        (262144, 1000.0, 1049),  # ceil(4 * 262144 / 1000)
+        (2048, 1e6, la.MIN_IDLE_TIMEOUT_S),
+        (10**7, 1.0, la.MAX_IDLE_TIMEOUT_S),
+    ],
+)
+def test_cold_prefill_timeout(context, rate, want):
+    assert la.cold_prefill_timeout(context, rate) == want
+
+
+def test_cold_prefill_timeout_rejects_a_bad_rate():
+    with pytest.raises(ValueError, match="must be positive"):
+        la.cold_prefill_timeout(100, 0.0)
+
+
+def test_idle_timeout_measured_or_default(fake_server, capsys):
+    url, _, prefill = fake_server
+    s = la.read_server(url)
+    prefill["delay_s"] = 0.5  # 512 tokens in >= 0.5 s: a full 262144-token prefill >= 256 s
+    assert la.idle_timeout(s) >= la.cold_prefill_timeout(CONTEXT, la.PROBE_TOKENS / 0.5)
+    prefill["ok"] = False
+    assert la.idle_timeout(s) == la.DEFAULT_IDLE_TIMEOUT_S
+    assert "prefill probe failed" in capsys.readouterr().err
+
+
+def test_claude_watchdogs_get_the_idle_timeout(fake_server, tmp_path):
+    s = la.read_server(fake_server[0])
+    env = la.client_setup("claude", s, tmp_path, idle_timeout_s=900)
+    for name in (
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS",
+        "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS",
+        "API_TIMEOUT_MS",
+    ):
+        assert env[name] == "900000"
+
+
+def test_print_config_reports_the_measured_timeout(fake_server, tmp_path, capsys):
+    args = ["openclaw", "--base-url", fake_server[0], "--profile", str(tmp_path), "--print-config"]
+    assert la.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = json.loads((tmp_path / "openclaw.json").read_text())
+    assert cfg["models"]["providers"]["sglang"]["timeoutSeconds"] == out["idle_timeout_s"]
+    assert out["idle_timeout_s"] >= la.MIN_IDLE_TIMEOUT_S
+    assert la.main([*args, "--idle-timeout", "4321"]) == 0
+    cfg = json.loads((tmp_path / "openclaw.json").read_text())
+    assert cfg["models"]["providers"]["sglang"]["timeoutSeconds"] == 4321

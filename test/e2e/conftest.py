@@ -8,7 +8,9 @@ never run beside a pooled one.
 Fixtures (function-scoped handles onto the pooled server; starting is paid once per run of
 consecutive tests that share a configuration):
 
-* ``server``: the default tiny Qwen3-Next model, flags of ``make serve``;
+* ``server``: the default tiny Qwen3-Next model, flags of ``make serve``, with the test-only
+  output script (``sglang.srt.entrypoints.scripted_output``, folder :data:`SCRIPT_DIR`, which
+  does nothing while no test has written rules there) and ``--enable-custom-logit-processor``;
 * ``moe_server``: the tiny Qwen3-MoE model;
 * ``small_ctx_server``: the default model with ``--context-length 2048`` (input-limit tests);
 * ``server_pool``: the pool itself, ``server_pool.get(arch, extra_args, env)`` for anything else.
@@ -22,7 +24,9 @@ model folder; ``PYTHON`` (read by scripts/serve.sh) runs the server from another
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,10 @@ from e2e_util import SMALL_CONTEXT
 from server import Server, ensure_model, start_server
 
 TEST_SERVER_ARGS = ["--max-total-tokens", "65536", "--max-running-requests", "16"]
+# The default server's output script: tests write rules.json there (scripted_rules), the server
+# forces the matching rule's text. One folder per test session.
+SCRIPT_DIR = Path(tempfile.mkdtemp(prefix="sglang-e2e-script-"))
+SCRIPTED = (["--enable-custom-logit-processor"], {"SGLANG_TEST_SCRIPTED_OUTPUT": str(SCRIPT_DIR)})
 
 _POOL_FIXTURES = {"server", "moe_server", "small_ctx_server", "server_pool"}
 
@@ -96,7 +104,24 @@ def server_pool() -> ServerPool:
 
 @pytest.fixture
 def server(server_pool) -> Server:
-    return server_pool.get("qwen3_next")
+    return server_pool.get("qwen3_next", SCRIPTED[0], env=SCRIPTED[1])
+
+
+@pytest.fixture
+def scripted_rules():
+    """``write(rules)`` puts ``rules`` (``[{"when": str, "text": str}, ...]``, see
+    ``scripted_output``) where the ``server`` fixture's server reads them and returns the path
+    of its ``requests.jsonl`` (emptied); the rules are removed after the test."""
+    rules, seen = SCRIPT_DIR / "rules.json", SCRIPT_DIR / "requests.jsonl"
+
+    def write(value: list[dict]) -> Path:
+        seen.unlink(missing_ok=True)
+        rules.write_text(json.dumps(value))
+        return seen
+
+    yield write
+    rules.unlink(missing_ok=True)
+    seen.unlink(missing_ok=True)
 
 
 @pytest.fixture
