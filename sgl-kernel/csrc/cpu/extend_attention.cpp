@@ -18,7 +18,7 @@
 // Causal masking (bottom-right aligned: row i sees keys [0, q_pos0 + i]) is applied only in the
 // key blocks a query block's diagonal crosses; blocks past the diagonal are skipped.
 //
-// Only this kernel's ISA is AVX-512 BF16 (compiled with a target attribute, entered only when
+// Only this kernel's ISA is AVX-512 BF16 (compiled under a target pragma, entered only when
 // the CPU has it: extend_attention_cpu_supported()); the Python side keeps ATen's flash kernel
 // for every other CPU, dtype and head size.
 #include <ATen/ATen.h>
@@ -64,7 +64,18 @@ bool cpu_has_avx512bf16() {
 bool head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SGLK_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+}  // namespace
+}  // namespace sglk
+
+// The executor's AVX-512 fp32 helpers (v_exp: the Cephes expf polynomial), compiled for this
+// kernel's target as the ISA units compile them (isa_unit.h).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace sglk {
+namespace {
+#define SGLK_ISA_LEVEL 2
+#include "isa/vec.h"
+#undef SGLK_ISA_LEVEL
 
 // Two bf16 values (raw bits) in one 32-bit lane, low half first (vdpbf16ps's pair order).
 inline uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
@@ -93,27 +104,11 @@ void pack_kv_head(const uint16_t* k, const uint16_t* v, int64_t k_row_stride, in
   }
 }
 
-// 2^x for x in fp32 lanes; x <= -150 gives 0 (so -inf scores vanish). Degree-6 polynomial for
-// 2^f on [0, 1) (relative error ~2e-7), then scalef by the integer part.
-SGLK_ATTN_TARGET inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503340e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-SGLK_ATTN_TARGET inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // S[r][0..63] = q_r . k_j over D/2 pairs for kRowTile rows (q pairs: [rows][D/2]).
 template <int D, int NR>
-SGLK_ATTN_TARGET inline void qk_tile(const uint32_t* q, const uint32_t* kb, float* s) {
+inline void qk_tile(const uint32_t* q, const uint32_t* kb, float* s) {
   constexpr int rows = NR;
   __m512 acc[kRowTile][4];
   for (int r = 0; r < kRowTile; ++r)
@@ -137,7 +132,7 @@ SGLK_ATTN_TARGET inline void qk_tile(const uint32_t* q, const uint32_t* kb, floa
 
 // O[r][0..D) += sum_t P pair(r, t) . V pair(t) for `rows` rows (P pairs: [rows][kKeyBlock/2]).
 template <int D>
-SGLK_ATTN_TARGET inline void pv_tile(const uint32_t* pp, int rows, const uint32_t* vb, float* o) {
+inline void pv_tile(const uint32_t* pp, int rows, const uint32_t* vb, float* o) {
   constexpr int kVec = D / 16;
   constexpr int kRows = 256 / D;  // 16 accumulators: 4 rows at D=64, 2 at 128, 1 at 256
   for (int r0 = 0; r0 < rows; r0 += kRows) {
@@ -171,12 +166,12 @@ struct ItemArgs {
   int64_t keys;    // visible key count (all of them for non-causal)
   int64_t q_pos0;  // position of query row 0 (causal)
   bool causal;
-  float scale_log2;  // softmax scale * log2(e)
+  float scale;  // softmax scale
 };
 
 // One work item: query rows [r_begin, r_end) of one head.
 template <int D>
-SGLK_ATTN_TARGET void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_end) {
+void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_end) {
   const int rows = int(r_end - r_begin);
   alignas(64) uint32_t qpairs[kQueryBlock * (D / 2)];
   alignas(64) float s[kQueryBlock * kKeyBlock];
@@ -194,7 +189,7 @@ SGLK_ATTN_TARGET void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_
   // Keys the last row sees (exclusive end); blocks past it are skipped.
   const int64_t key_end = a.causal ? std::min(a.keys, a.q_pos0 + r_end) : a.keys;
   const int64_t nblk = (key_end + kKeyBlock - 1) / kKeyBlock;
-  const __m512 vscale = _mm512_set1_ps(a.scale_log2);
+  const __m512 vscale = _mm512_set1_ps(a.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 
@@ -212,27 +207,26 @@ SGLK_ATTN_TARGET void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_
       float* sr = s + r * kKeyBlock;
       const int64_t limit = a.causal ? std::min(a.keys, a.q_pos0 + r_begin + r + 1) : a.keys;
       __m512 x[4];
+      __mmask16 keep[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
       __m512 mx = ninf;
       for (int c = 0; c < 4; ++c) {
         x[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), vscale);
         if (masked) {
           const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(j0 + 16 * c)));
-          const __mmask16 keep = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(int32_t(limit)));
-          x[c] = _mm512_mask_blend_ps(keep, ninf, x[c]);
+          keep[c] = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(int32_t(limit)));
         }
-        mx = _mm512_max_ps(mx, x[c]);
+        mx = _mm512_mask_max_ps(mx, keep[c], mx, x[c]);
       }
+      // Finite: every row sees key 0, which is in block 0 (m[r] is -inf only there, and
+      // exp(-inf) = 0 makes that block's alpha 0).
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
-      if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
-        std::memset(ppairs + r * (kKeyBlock / 2), 0, sizeof(uint32_t) * (kKeyBlock / 2));
-        continue;
-      }
-      const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp2(m[r] - m_new);
+      const float alpha = std::exp(m[r] - m_new);
       const __m512 vm = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < 4; c += 2) {
-        const __m512 p0 = exp2_ps(_mm512_sub_ps(x[c], vm));
-        const __m512 p1 = exp2_ps(_mm512_sub_ps(x[c + 1], vm));
+        // Masked keys get exactly 0 (v_exp clamps its argument, so it never returns 0 itself).
+        const __m512 p0 = _mm512_maskz_mov_ps(keep[c], v_exp(_mm512_sub_ps(x[c], vm)));
+        const __m512 p1 = _mm512_maskz_mov_ps(keep[c + 1], v_exp(_mm512_sub_ps(x[c + 1], vm)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
         // Round to bf16 (nearest even); 16 consecutive bf16 read as 8 uint32 are the pairs
         // (2t, 2t+1) that P V takes, so each vector is stored as it is.
@@ -275,6 +269,11 @@ void run_items(std::vector<ItemArgs>& heads, int64_t rows) {
     attend_rows<D>(heads[h], qb * kQueryBlock, std::min(rows, (qb + 1) * kQueryBlock));
   }
 }
+}  // namespace
+}  // namespace sglk
+#pragma GCC pop_options
+namespace sglk {
+namespace {
 #endif  // x86-64 with GNU attributes
 
 void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
@@ -331,7 +330,7 @@ void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
     a.keys = keys;
     a.q_pos0 = causal ? q_pos0 : 0;
     a.causal = causal;
-    a.scale_log2 = float(scale * 1.4426950408889634);
+    a.scale = float(scale);
   }
   switch (d) {
     case 64:
