@@ -57,9 +57,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _stream_decode(url: str, ids: list[int], n: int) -> tuple[int, float]:
+def stream_decode(url: str, ids: list[int], n: int) -> tuple[int, float, float]:
     """Stream a greedy generation of ``n`` tokens; return (tokens after the first, seconds
-    from the first streamed token to the last): decode only, prefill excluded."""
+    from the first streamed token to the last: decode only, prefill excluded, and the largest
+    gap between two streamed chunks in seconds)."""
     r = requests.post(
         url + "/generate",
         json={
@@ -72,16 +73,19 @@ def _stream_decode(url: str, ids: list[int], n: int) -> tuple[int, float]:
     )
     r.raise_for_status()
     first = last = None
+    gap = 0.0
     for line in r.iter_lines():
         if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
             continue
         done = json.loads(line[5:])["meta_info"]["completion_tokens"]
         now = time.perf_counter()
+        if last is not None:
+            gap = max(gap, now - last[1])
         if first is None:
             first = (done, now)
         last = (done, now)
     # A chunk may carry several tokens: count tokens, not chunks.
-    return last[0] - first[0], last[1] - first[1]
+    return last[0] - first[0], last[1] - first[1], gap
 
 
 def decode_tps(url: str, args, seed: int) -> float:
@@ -89,7 +93,7 @@ def decode_tps(url: str, args, seed: int) -> float:
     streams (fresh prompts each run, so the prefix cache never serves them)."""
     g = torch.Generator().manual_seed(seed)
     rates = []
-    _stream_decode(url, torch.randint(10, 30000, (args.prompt_len,), generator=g).tolist(), 8)
+    stream_decode(url, torch.randint(10, 30000, (args.prompt_len,), generator=g).tolist(), 8)
     for _ in range(args.repeats):
         prompts = [
             torch.randint(10, 30000, (args.prompt_len,), generator=g).tolist()
@@ -97,7 +101,7 @@ def decode_tps(url: str, args, seed: int) -> float:
         ]
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
             runs = list(
-                pool.map(lambda ids: _stream_decode(url, ids, args.new_tokens + 1), prompts)
+                pool.map(lambda ids: stream_decode(url, ids, args.new_tokens + 1)[:2], prompts)
             )
         tokens = sum(n for n, _ in runs)
         seconds = max(t for _, t in runs)

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 import requests
@@ -37,6 +35,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test" / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import stream_decode  # noqa: E402  (the same streamed decode measurement)
 
 SERVER_ARGS = ["--max-total-tokens", "65536", "--max-running-requests", "16"]
 
@@ -124,34 +124,6 @@ def layer_latency(args) -> dict:
     return out
 
 
-def _stream(url: str, ids: list[int], n: int):
-    """(tokens after the first, decode seconds, largest inter-chunk gap in s)."""
-    r = requests.post(
-        url + "/generate",
-        json={
-            "input_ids": ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
-            "stream": True,
-        },
-        timeout=1800,
-        stream=True,
-    )
-    r.raise_for_status()
-    first = last = None
-    gap = 0.0
-    for line in r.iter_lines():
-        if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-            continue
-        done = json.loads(line[5:])["meta_info"]["completion_tokens"]
-        now = time.perf_counter()
-        if last is not None:
-            gap = max(gap, now - last[1])
-        if first is None:
-            first = (done, now)
-        last = (done, now)
-    return last[0] - first[0], last[1] - first[1], gap
-
-
 def _round(url, args, g, storm: bool):
     """One round of ``args.streams`` streams: (tok/s, largest gap s, rebalance ms list)."""
     prompts = [
@@ -177,7 +149,7 @@ def _round(url, args, g, storm: bool):
 
     th = threading.Thread(target=storm_loop) if storm else None
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_stream, url, ids, args.new_tokens + 1) for ids in prompts]
+        futures = [pool.submit(stream_decode, url, ids, args.new_tokens + 1) for ids in prompts]
         if th:
             th.start()
         runs = [f.result() for f in futures]
