@@ -24,6 +24,7 @@ For cache sizes from one layer's top-k (8 slots) to the whole pool and for each 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -153,14 +154,15 @@ def test_metrics_exported(results, server_pool):
 
 
 STREAMS = 8
-STREAM_TOKENS = 32
+STREAM_TOKENS = 64
 # Alternating shrinks and grows of the 8-slot server's pool (4 layers x 64 experts = 256).
 REBALANCES = ["64", "8", "100%", "16", "50%", "8", "128", "12"]
 
 
-def _stream_tokens(url: str, ids: list[int]) -> list[int]:
+def _stream_tokens(url: str, ids: list[int], started=None) -> list[int]:
     """A greedy streaming ``/generate`` of ``STREAM_TOKENS`` tokens (EOS ignored): the output
-    token ids of its last chunk; the status must be 200 and the stream end with [DONE]."""
+    token ids of its last chunk; the status must be 200 and the stream end with [DONE].
+    ``started()`` is called once, when the first chunk arrives (the request is decoding)."""
     r = requests.post(
         url + "/generate",
         json={
@@ -176,7 +178,12 @@ def _stream_tokens(url: str, ids: list[int]) -> list[int]:
         timeout=600,
     )
     assert r.status_code == 200, r.text
-    chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    chunks = []
+    for line in r.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            chunks.append(line[6:])
+            if len(chunks) == 1 and started is not None:
+                started()
     assert chunks and chunks[-1] == "[DONE]", chunks[-2:]
     out = json.loads(chunks[-2])["output_ids"]
     assert len(out) == STREAM_TOKENS, len(out)
@@ -184,12 +191,16 @@ def _stream_tokens(url: str, ids: list[int]) -> list[int]:
 
 
 def _concurrent_streams(url: str, prompts: list[list[int]], during=None) -> list[list[int]]:
-    """Every prompt streamed at once; ``during()`` runs while they are in flight."""
+    """Every prompt streamed at once; ``during(futures)`` runs once every stream has received
+    its first chunk (all of them are decoding), so it does not depend on the machine's speed."""
     from concurrent.futures import ThreadPoolExecutor
 
+    started = threading.Semaphore(0)
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_stream_tokens, url, ids) for ids in prompts]
+        futures = [pool.submit(_stream_tokens, url, ids, started.release) for ids in prompts]
         if during is not None:
+            for _ in prompts:
+                assert started.acquire(timeout=300), "a stream never produced its first chunk"
             during(futures)
         return [f.result() for f in futures]
 
@@ -213,30 +224,36 @@ def test_rebalance_with_streams_in_flight(results, server_pool):
     done = []
 
     def storm(futures):
-        time.sleep(0.5)  # the streams are admitted and decoding
-        for size in REBALANCES:
+        for size in REBALANCES:  # back to back: each waits for the next safe point
             r = _rebalance(srv.url, size)
             assert r.status_code == 200, r.text
             body = r.json()
             in_flight = sum(not f.done() for f in futures)
             done.append((size, body["expert_cache"]["slots"], body["time_ms"], in_flight))
-            time.sleep(0.1)
 
-    got = _concurrent_streams(srv.url, prompts, during=storm)
+    try:
+        _check_rebalances_in_flight(
+            srv.url, want, _concurrent_streams(srv.url, prompts, storm), done
+        )
+    finally:  # the next tests of this shared server expect it as test_metrics_exported found it
+        assert _rebalance(srv.url, "8").status_code == 200
+    assert results(arch, config) == greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
+
+
+def _check_rebalances_in_flight(url: str, want, got, done) -> None:
+    """The asserts of test_rebalance_with_streams_in_flight on the server as the storm left it."""
     for i, (a, b) in enumerate(zip(want, got)):
         assert a == b, f"stream {i}: tokens differ after rebalances {done}"
     assert [d[1] for d in done] == [64, 8, 256, 16, 128, 8, 128, 12], done
     assert sum(d[3] > 0 for d in done) >= len(REBALANCES) // 2, done  # while streams ran
-    split = requests.get(srv.url + "/rebalance_memory", timeout=60).json()
+    split = requests.get(url + "/rebalance_memory", timeout=60).json()
     cache, kv = split["expert_cache"], split["kv"]
     assert cache["slots"] == 12 and cache["slot_bytes"] == 12 * cache["expert_bytes"]
     assert cache["rebalances"] >= len(REBALANCES) and kv["kv_tokens"] > 0
-    text = requests.get(srv.url + "/metrics", timeout=60).text
+    text = requests.get(url + "/metrics", timeout=60).text
     assert metric(text, "sglang:expert_cache_rebalances_total") >= len(REBALANCES)
     assert metric(text, "sglang:expert_cache_slots") == 12
     assert metric(text, "sglang:expert_cache_last_rebalance_ms") > 0
-    assert _rebalance(srv.url, "8").status_code == 200  # as test_metrics_exported found it
-    assert results(arch, config) == greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -250,11 +267,11 @@ def test_rebalance_with_streams_in_flight(results, server_pool):
 )
 def test_rebalance_bad_targets(server_pool, body, match):
     srv = server_pool.get(*METRICS_CONFIG[:1], _cache_args(*METRICS_CONFIG))
+    before = requests.get(srv.url + "/rebalance_memory", timeout=60).json()["expert_cache"]
     r = requests.post(srv.url + "/rebalance_memory", json=body, timeout=60)
     assert r.status_code == 400 and match in r.json()["message"], r.text
-    assert (
-        requests.get(srv.url + "/rebalance_memory", timeout=60).json()["expert_cache"]["slots"] == 8
-    )
+    after = requests.get(srv.url + "/rebalance_memory", timeout=60).json()["expert_cache"]
+    assert after["slots"] == before["slots"] and after["rebalances"] == before["rebalances"]
 
 
 def _settled_calls(url: str, timeout_s: float = 20.0) -> float:
