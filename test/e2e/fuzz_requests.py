@@ -95,6 +95,12 @@ token_ids = st.lists(
 regex = st.sampled_from(["[a-z]+", "(a|b)*c", "[", "(?<=x)y", "\\", ".*", "a{1000000}"])
 names = st.sampled_from(["f", "get_weather", "", "bad name!", "x" * 200])
 
+good_schemas = st.sampled_from(
+    [
+        {"type": "object"},
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+    ]
+)
 json_schemas = st.one_of(
     st.just({"type": "object"}),
     st.just({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}),
@@ -123,7 +129,7 @@ openai_tool = st.fixed_dictionaries(
                 {"name": maybe_junk(names)},
                 optional={
                     "description": odd_text,
-                    "parameters": json_schemas,
+                    "parameters": clean_body.flatmap(lambda c: good_schemas if c else json_schemas),
                     "strict": maybe_junk(st.booleans()),
                 },
             )
@@ -153,6 +159,10 @@ response_format = maybe_junk(
 )
 
 # --- /v1/chat/completions -----------------------------------------------------------------
+
+# A clean body's messages: user turns of odd text (the shape both chat routes accept, so clean
+# bodies reach generation; the junk bodies cover the other roles and block types).
+user_turn = st.fixed_dictionaries({"role": st.just("user"), "content": odd_text.filter(str.strip)})
 
 chat_content = maybe_junk(
     st.one_of(
@@ -195,7 +205,13 @@ chat_message = st.fixed_dictionaries(
 chat = body(
     {
         "model": maybe_junk(st.just("default"), 8),
-        "messages": maybe_junk(st.lists(chat_message, min_size=0, max_size=4), 8),
+        "messages": clean_body.flatmap(
+            lambda c: (
+                st.lists(user_turn, min_size=1, max_size=2)
+                if c
+                else maybe_junk(st.lists(chat_message, min_size=0, max_size=4), 8)
+            )
+        ),
     },
     {
         "max_completion_tokens": small_tokens,
@@ -325,7 +341,10 @@ anth_message = st.fixed_dictionaries(
 )
 anth_tool = st.one_of(
     st.fixed_dictionaries(
-        {"name": maybe_junk(names), "input_schema": json_schemas},
+        {
+            "name": maybe_junk(names),
+            "input_schema": clean_body.flatmap(lambda c: good_schemas if c else json_schemas),
+        },
         optional={
             "description": odd_text,
             "type": st.sampled_from(["custom", "nope"]),
@@ -340,7 +359,13 @@ anth_tool = st.one_of(
 messages = body(
     {
         "model": maybe_junk(st.just("default"), 8),
-        "messages": maybe_junk(st.lists(anth_message, min_size=0, max_size=4), 8),
+        "messages": clean_body.flatmap(
+            lambda c: (
+                st.lists(user_turn, min_size=1, max_size=2)
+                if c
+                else maybe_junk(st.lists(anth_message, min_size=0, max_size=4), 8)
+            )
+        ),
     },
     {
         "system": maybe_junk(

@@ -311,6 +311,19 @@ CASES = [
         {"input_ids": [1, 2**31], "sampling_params": {"max_new_tokens": 1}},
         [f"out-of-vocabulary token id {2**31} at position 1"],
     ),
+    # an out-of-vocabulary stop id with min_tokens killed the server (patch 0074)
+    (
+        "completions-stop-token-id-beyond-vocab",
+        "/v1/completions",
+        {
+            "model": "default",
+            "prompt": "hi",
+            "max_tokens": 4,
+            "min_tokens": 2,
+            "stop_token_ids": [0, 2**53 + 1],
+        },
+        [f"stop_token_ids contains out-of-vocabulary token id {2**53 + 1}"],
+    ),
     # a sampling_params list unlike the prompts: 500 (patch 0073)
     (
         "generate-sampling-params-list-single-prompt",

@@ -33,8 +33,8 @@ import fuzz_requests
 import requests
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-MAX_EXAMPLES = 400
-BUDGET_S = 70
+MAX_EXAMPLES = 1000
+BUDGET_S = 75
 REQUEST_TIMEOUT_S = 60
 STREAM_TOKENS = 24
 
