@@ -87,6 +87,25 @@ def test_all_resident_as_accurate_as_upstream_moe(results):
     )
 
 
+def test_image_request_refused_when_served_text_only(server_pool):
+    """Without torchvision (this machine) the server serves Qwen3.5 text only (patch 0080): an
+    image part is a 400 that says so, and the server keeps serving."""
+    import requests
+
+    srv = server_pool.get(ARCH, RESIDENT)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}],
+        "max_tokens": 4,
+    }
+    r = requests.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert "multimodal" in r.text.lower() or "image" in r.text.lower(), r.text
+    body["messages"][0]["content"] = "what is it?"
+    assert requests.post(srv.url + "/v1/chat/completions", json=body, timeout=120).ok
+
+
 def test_eight_slots_equal_all_resident(results):
     assert_identical_outputs(results("resident"), results("slots8"))
     assert_split_happened(results("slots8_metrics"), slots=8)

@@ -251,8 +251,8 @@ def _qwen3_5_moe_config() -> dict:
         "model_type": "qwen3_5_moe",
         "text_config": dict(sorted(text.items())),
         "vision_config": QWEN3_5_VISION,
-        # the released ids of <|image_pad|> etc. lie beyond this vocabulary; text-only serving
-        # never emits them, so they point at tokens the tiny tokenizer does not produce
+        # the released ids of <|image_pad|> etc. lie beyond this vocabulary: these are ordinary
+        # ids of it (the last BPE tokens), which text-only serving never reads
         "image_token_id": ids[tok_mod.ENDOFTEXT] - 4,
         "video_token_id": ids[tok_mod.ENDOFTEXT] - 3,
         "vision_start_token_id": ids[tok_mod.ENDOFTEXT] - 2,
