@@ -91,3 +91,8 @@ def fp8_dir(tmp_path_factory):
     return tiny_models.build(
         "qwen3_moe", tmp_path_factory.mktemp("m") / "qwen3_moe_fp8", quant="fp8"
     )
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir(tmp_path_factory):
+    return tiny_models.build("qwen3_5_moe", tmp_path_factory.mktemp("m") / "qwen3_5_moe")
