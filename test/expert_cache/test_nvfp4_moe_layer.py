@@ -131,3 +131,5 @@ def test_broken_linear_scales_fail_at_load_naming_the_tensor(block_results, case
     err = block_results["errors"][case]
     assert err.startswith("ValueError"), err
     assert "model.layers.1.self_attn.qkv_proj.weight_scale" in err, err
+    # the tiny model's q / k / v shards: 4 x 64, 2 x 64, 2 x 64 rows; k (1) or v (2) is broken
+    assert ("shard(s) [1] of [256, 128, 128]" if case.startswith("missing") else "(shard v)") in err

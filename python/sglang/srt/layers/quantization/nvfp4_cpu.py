@@ -111,9 +111,12 @@ def dequantize_linear(layer: torch.nn.Module) -> None:
     widths = list(getattr(layer, "logical_widths", [n]))
     rows = torch.nonzero(torch.isnan(s.float()).any(dim=1)).flatten().tolist()
     if rows:
+        ends = torch.tensor(widths).cumsum(0).tolist()
+        shards = sorted({next(i for i, e in enumerate(ends) if r < e) for r in rows})
         raise ValueError(
-            f"{name}.weight_scale was not in the checkpoint (weight rows {rows[:8]} have no "
-            "scale): every NVFP4 weight needs its weight_scale"
+            f"{name}.weight_scale was not in the checkpoint for shard(s) {shards} of {widths} "
+            f"rows (weight rows {rows[:4]}... have no scale): every NVFP4 weight needs its "
+            "weight_scale"
         )
     if s2.numel() != len(widths) or torch.isnan(s2).any():
         raise ValueError(
