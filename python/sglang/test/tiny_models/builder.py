@@ -81,7 +81,8 @@ GLM_DENSE_INTERMEDIATE = 512
 
 
 ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe")
-# Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's layout).
+# Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
+# nvidia/Qwen3-30B-A3B-FP4's layouts).
 QUANT_ARCHS = ("qwen3_moe",)
 
 
@@ -574,8 +575,8 @@ def build(
     """Write the tiny model for ``arch`` into ``out_dir``; returns the directory.
 
     ``quant`` (None = bf16) writes the checkpoint in a released quantized layout instead
-    (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``qwen3_moe``
-    only). Raises ValueError for an unknown arch or quant, or a quant the arch does not have.
+    (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``"nvfp4"``,
+    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases; ``qwen3_moe`` only). Raises ValueError for an unknown arch or quant, or a quant the arch does not have.
 
     The directory is written next to its final place and renamed into it, so a reader never
     sees half a model. An existing non-empty ``out_dir`` is an error unless ``force``.
@@ -607,8 +608,10 @@ def build(
             (tmp / "video_preprocessor_config.json").write_text(_json_text(QWEN3_5_VIDEO_PROCESSOR))
         state = make_state_dict(arch, seed, cfg)
         if quant is not None:
-            state, cfg = quantize_state(state, cfg, quant)
+            state, cfg, files = quantize_state(state, cfg, quant)
             (tmp / "config.json").write_text(_json_text(cfg), encoding="utf-8")
+            for fname, obj in files.items():
+                (tmp / fname).write_text(_json_text(obj), encoding="utf-8")
         save_file(
             state,
             str(tmp / "model.safetensors"),
