@@ -16,8 +16,8 @@ the median pass time and tokens/s of each path.
 only copy, so the link is simulated: every copy host pool -> slot (the buffers' loads and the
 split's fills) takes at least its bytes / ``--link-gbps`` (the copy thread sleeps out the rest;
 the output says SIMULATED). Per path, the transfer of a pass is ``X`` = the host-pool bytes it
-loaded / link, and its compute ``C`` the same path's pass time with no throttle (the copies
-then run at memory speed); two buffers should take ~``max(X, C)`` and one buffer ~``X + C``.
+loaded / link, and its compute ``C`` the pass time of the ordinary path with no slots (every
+expert computed from the host pool, the same kernel, no copy); two buffers should take ~``max(X, C)`` and one buffer ~``X + C``.
 ``overlap`` = (X + C - two) / min(X, C) of the two-buffer path: the share of the shorter of
 the two that the second buffer hides (1 = all of it, 0 = none). The default pool is two
 layers' experts (``--size``), so a two-buffer pass streams the whole pool. Last line::
@@ -98,9 +98,9 @@ def host_pool(a) -> ExpertBanks:
     return host
 
 
-def make_cache(a, host, path: str, fill_gbps=None, cpu_gbps=None) -> ExpertSlotCache:
+def make_cache(a, host, path: str, fill_gbps=None, cpu_gbps=None, size=None) -> ExpertSlotCache:
     cfg = ExpertCacheConfig(
-        size=CacheSize.parse(slots(a)),
+        size=CacheSize.parse(size or slots(a)),
         policy=MissPolicy.QSTAR,
         cpu_threads=a.threads,
         fill_gbps=fill_gbps,
@@ -193,36 +193,32 @@ def main_cpu(a) -> int:
     # B_P / B_H given (the split's q*): B_P the simulated link, B_H four times it.
     bw = dict(fill_gbps=a.link_gbps, cpu_gbps=4 * a.link_gbps)
     linked = {p: make_cache(a, host, p, **bw) for p in PATHS}
-    free = {p: make_cache(a, host, p, **bw) for p in PATHS[:2]}  # no throttle: C
+    # C: every expert computed from the host pool, no copy at all (0 slots: auto on a CPU).
+    compute = make_cache(a, host, "split", size="auto")
     for p in PATHS:
         if p == "split":
             throttle_fills(linked[p], a.link_gbps)
         else:
             linked[p].prefill_stream.link_gbps = a.link_gbps
-    print("#     T path         ms/pass   tok/s  X_ms   C_ms  model_ms", flush=True)
+    print("#     T path         ms/pass   tok/s   X_ms   C_ms  model_ms", flush=True)
     rows: Dict[str, Dict[int, float]] = {p: {} for p in PATHS}
     ratios = {"two": [], "one": [], "overlap": []}
     for T in lengths:
         x, w, ids = inputs(a, T, a.seed + T)
-        ref = None
+        C, ref = timed(compute, a, x, w, ids)
         for p in PATHS:
-            X = C = model = float("nan")
-            if p != "split":
-                before = free[p].prefill_stream.link_bytes
-                C, _ = timed(free[p], a, x, w, ids)
-                X = (
-                    (free[p].prefill_stream.link_bytes - before)
-                    / (a.reps + 1)
-                    / (a.link_gbps * 1e9)
-                )
-                model = max(X, C) if p == "two_buffers" else X + C
+            X = model = float("nan")
+            stream = linked[p].prefill_stream
+            before = stream.link_bytes
             t, outs = timed(linked[p], a, x, w, ids)
-            ref = ref or outs
             if not all(torch.equal(o, r) for o, r in zip(outs, ref)):
-                fail(f"{p} at T={T}: outputs differ from the two-buffer pass")
+                fail(f"{p} at T={T}: outputs differ from the ordinary path with no slots")
+            if p != "split":
+                X = (stream.link_bytes - before) / (a.reps + 1) / (a.link_gbps * 1e9)
+                model = max(X, C) if p == "two_buffers" else X + C
             rows[p][T] = t
             print(
-                f"# {T:5d} {p:11s} {t * 1e3:8.1f} {T / t:7.0f} {X * 1e3:5.1f} {C * 1e3:6.1f} "
+                f"# {T:5d} {p:11s} {t * 1e3:8.1f} {T / t:7.0f} {X * 1e3:6.1f} {C * 1e3:6.1f} "
                 f"{model * 1e3:8.1f}",
                 flush=True,
             )
