@@ -163,3 +163,77 @@ def test_flag_is_read_from_the_server_args():
     Moe.expert_cache_prefill_stream = "always"
     with pytest.raises(ValueError, match="--expert-cache-prefill-stream"):
         ExpertCacheConfig.from_server_args(Moe())
+
+
+class RecordingLane:
+    """A copy lane that runs each load at once and records the handles, standing in for the
+    CUDA lane's stream and events: which load each compute waits for, and which compute each
+    load waits for."""
+
+    def __init__(self):
+        self.log = []
+        self.n = 0
+
+    def begin(self):
+        self.log.append(("begin",))
+
+    def load(self, fn, after):
+        fn()
+        self.n += 1
+        handle = ("loaded", self.n)
+        self.log.append(("load", handle, after))
+        return handle
+
+    def ready(self, handle):
+        self.log.append(("wait", handle))
+
+    def computed(self):
+        self.n += 1
+        handle = ("computed", self.n)
+        self.log.append(("compute", handle))
+        return handle
+
+    def drain(self):
+        self.log.append(("drain",))
+
+
+@pytest.mark.parametrize("path", [PrefillPath.TWO_BUFFERS, PrefillPath.ONE_BUFFER])
+def test_the_copy_lane_choreography(path):
+    """The order the CUDA lane's events encode: with two buffers layers 0 and 1 load at the
+    borrow and layer i + 2 loads into layer i's buffer after layer i's compute; with one
+    buffer layer i + 1 loads after layer i's compute; each compute waits for its own layer's
+    load; the pass ends with a drain."""
+    cache = forced("100%", path)
+    lane = cache.prefill_stream._lane = RecordingLane()
+    loads = []
+    orig = cache.prefill_stream._load
+
+    def spy(p, index, b):
+        loads.append((p.layers[index], b))
+        orig(p, index, b)
+
+    cache.prefill_stream._load = spy
+    calls = passes(1)[0]
+    for c in calls:
+        cache.forward(*c)
+    nbuf = 2 if path is PrefillPath.TWO_BUFFERS else 1
+    assert loads == [(layer, layer % nbuf) for layer in range(L)]
+    log = lane.log
+    assert log[0] == ("begin",) and log[-1] == ("drain",)
+    load_of = {}  # layer -> its load's handle
+    done_of = {}  # layer -> its compute's handle
+    it = iter(range(L))
+    computed = 0
+    for entry in log[1:-1]:
+        if entry[0] == "load":
+            layer = next(it)
+            load_of[layer] = entry[1]
+            # a buffer's next load waits for the compute of the layer that used it last
+            prev = layer - nbuf
+            assert entry[2] == (done_of[prev] if prev >= 0 else None), (layer, entry)
+        elif entry[0] == "wait":
+            assert entry[1] == load_of[computed], "a compute waits for its own layer's load"
+        elif entry[0] == "compute":
+            done_of[computed] = entry[1]
+            computed += 1
+    assert computed == L
