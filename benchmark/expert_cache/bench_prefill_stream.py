@@ -74,11 +74,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--lengths", default="128,256,512,1024", help="prompt chunk tokens")
+    p.add_argument("--lengths", default="128,256,512,1024,2048", help="prompt chunk tokens")
     p.add_argument("--link-gbps", type=float, default=2.0, help="CPU: the simulated link")
     p.add_argument("--size", default=None, help="--expert-cache-size (default: 2 x experts)")
     p.add_argument("--threads", type=int, default=0, help="CPU executor threads (0 = cores)")
-    p.add_argument("--reps", type=int, default=3, help="timed passes per length and path")
+    p.add_argument("--reps", type=int, default=5, help="timed passes per length and path")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
