@@ -314,6 +314,10 @@ def main_cuda(a) -> int:
                 print(f"# {T:5d} {p:11s} {t * 1e3:8.2f} ms  {T / t:8.0f} tok/s", flush=True)
         for p in ("two_buffers", "one_buffer"):
             check_streamed(caches[p], p, (a.reps + 1) * len(lengths))
+        streamed = caches["two_buffers"].prefill_stream.link_bytes
+        want = pool_bytes * (a.reps + 1) * len(lengths)
+        if streamed != want:  # with 2 E slots nothing survives a borrow: the whole pool streams
+            fail(f"two_buffers streamed {streamed} bytes over the link, expected {want}")
     T = lengths[-1]
     two, one, split = (res[p][T] for p in PATHS)
     print(
