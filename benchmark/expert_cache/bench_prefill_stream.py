@@ -316,7 +316,8 @@ def main_cuda(a) -> int:
             check_streamed(caches[p], p, (a.reps + 1) * len(lengths))
         streamed = caches["two_buffers"].prefill_stream.link_bytes
         want = pool_bytes * (a.reps + 1) * len(lengths)
-        if streamed != want:  # with 2 E slots nothing survives a borrow: the whole pool streams
+        # With the default 2 E slots nothing survives a borrow: the whole pool streams.
+        if a.size is None and streamed != want:
             fail(f"two_buffers streamed {streamed} bytes over the link, expected {want}")
     T = lengths[-1]
     two, one, split = (res[p][T] for p in PATHS)
