@@ -237,3 +237,13 @@ def test_the_copy_lane_choreography(path):
             done_of[computed] = entry[1]
             computed += 1
     assert computed == L
+
+
+def test_outside_a_server_forward_only_force_streams():
+    """Without a server forward (no forward batch to read the mode from) ``force`` takes a call
+    of more than one token as prefill and ``auto`` never streams, so that the eager layer calls
+    of the CUDA tests keep the path they test."""
+    cache = make_cache("100%", "fill")
+    auto, force = PrefillStream(cache, "auto"), PrefillStream(cache, "force")
+    assert auto._phase(40) is None and auto._phase(1) is None
+    assert force._phase(40) == "prefill" and force._phase(1) == "decode"

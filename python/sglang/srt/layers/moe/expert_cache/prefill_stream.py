@@ -233,7 +233,7 @@ class PrefillStream:
         T = x.shape[0]
         if layer_id == layers[0]:
             self.abandon()  # a pass that never reached its last layer (a failed forward)
-            if T == 0 or _phase(T) == "decode":
+            if T == 0 or self._phase(T) != "prefill":
                 return None
             path = self.decide(T)
             self.passes[path] += 1
@@ -267,6 +267,18 @@ class PrefillStream:
         if self._pass is not None:
             self.abandoned += 1
             self._finish()
+
+    def _phase(self, num_tokens: int) -> Optional[str]:
+        """The batch's phase: the server forward's (``prefill`` = extend or mixed); outside a
+        server forward (layer tests, benchmarks) ``force`` takes a call of more than one
+        token as prefill, ``auto`` never streams (the eager calls of the CUDA tests stay
+        on the path they test)."""
+        from sglang.srt.layers.moe.expert_cache.routing_trace import (
+            current_phase,
+            forward_phase,
+        )
+
+        return current_phase(num_tokens) if self.mode == "force" else forward_phase()
 
     # ------------------------------------------------------------------ the pass
     def _begin(self, path: PrefillPath, layers: List[int]) -> None:
@@ -384,9 +396,3 @@ def _fill_list(pairs, device) -> FillList:
         fill_dst=torch.tensor(dst, **i32),
         counts=torch.tensor(counts, **i32),
     )
-
-
-def _phase(num_tokens: int) -> str:
-    from sglang.srt.layers.moe.expert_cache.routing_trace import current_phase
-
-    return current_phase(num_tokens)
