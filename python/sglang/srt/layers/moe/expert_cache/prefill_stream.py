@@ -200,7 +200,7 @@ class PrefillStream:
         if force and self.path is not None and path is not PrefillPath.SPLIT:
             if self.path is PrefillPath.SPLIT or c.num_slots >= E * _nbuf(self.path):
                 path = self.path
-        if force and path is PrefillPath.SPLIT and not self._warned:
+        if force and c.num_slots < E and not self._warned:
             self._warned = True
             logger.warning(
                 "Expert cache: --expert-cache-prefill-stream force, but %d slots cannot hold "
