@@ -29,10 +29,12 @@
 #   step     benchmark/expert_cache/bench_gpu_step.py (Qwen3.6-35B-A3B shapes, eager + graph)
 #   prefill  benchmark/expert_cache/bench_prefill_stream.py --device cuda (the prefill double
 #            buffer: outputs against the CPU cache, transfer_bound_ratio; exits 1 on any mismatch)
-# Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks. Writes $OUT/summary.txt (a line
-# per step and the benchmarks' last lines) and $OUT/log.txt (everything), $OUT being the device
-# tool's output folder, else .gpu-checks/. Exit 0 when every step passed, 1 when one failed, 2
-# when preflight found a missing piece. Each later GPU path adds its check here.
+# Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks, ~1.5 min
+# prefill (a 6.4 GB pool filled and pinned; past the default budget it is skipped, saying so).
+# Writes $OUT/summary.txt (a line per step and the benchmarks' last lines) and $OUT/log.txt
+# (everything), $OUT being the device tool's output folder, else .gpu-checks/. Exit 0 when
+# every step passed, 1 when one failed, 2 when preflight found a missing piece. Each later GPU
+# path adds its check here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
