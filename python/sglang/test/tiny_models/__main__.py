@@ -1,5 +1,5 @@
 """CLI: ``python -m sglang.test.tiny_models --arch qwen3_next --out DIR [--seed N] [--force]
-[--quant fp8]``."""
+[--quant fp8|nvfp4]``."""
 
 import argparse
 import sys
@@ -22,7 +22,8 @@ def main(argv=None) -> int:
         "--quant",
         choices=QUANTS,
         default=None,
-        help="write a released quantized layout (fp8: block FP8 as Qwen's -FP8 releases)",
+        help="write a released quantized layout (fp8: block FP8 as Qwen's -FP8 releases; nvfp4: "
+        "ModelOpt NVFP4 as NVIDIA's -FP4 releases)",
     )
     parser.add_argument(
         "--no-tokenizer-cache",
