@@ -5,7 +5,7 @@ the CPU.
 Two servers (each start costs ~45 s on a 2-core machine):
 
 * no cache: upstream's ``ModelOptNvFp4FusedMoEMethod``, which upstream refuses on any platform
-  but Blackwell or Marlin; with patch 0011 the dense NVFP4 linears are dequantized to bf16 at
+  but Blackwell or Marlin; with patch 0009 the dense NVFP4 linears are dequantized to bf16 at
   load and the NVFP4 experts run on the CPU executor from their own tensors, all resident;
 * ``--enable-expert-cache`` with one layer's top-k, 8 slots, ``qstar`` with B_P / B_H fixed at
   0.5: every layer call fills some misses into slots and runs the others on the CPU from the

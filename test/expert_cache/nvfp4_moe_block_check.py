@@ -6,7 +6,7 @@ Run by ``test_nvfp4_moe_layer.py`` in a fresh process (runtime context, gloo gro
 the tiny ``qwen3_moe`` NVFP4 model folder (``sglang.test.tiny_models --quant nvfp4``) and an
 output file. The block of layer ``LAYER`` is loaded through upstream's weight loaders in each
 configuration of :data:`CONFIGS` (``stock``: ``ModelOptNvFp4FusedMoEMethod`` without the cache,
-on the CPU the CPU executor through patch 0011; the others ``--enable-expert-cache`` at several
+on the CPU the CPU executor through patch 0009; the others ``--enable-expert-cache`` at several
 sizes and policies) and runs ``forward_normal`` on the batches of :data:`CALLS`.
 
 Recorded per cache configuration: the outputs, the counters, whether every host-pool bank row
@@ -159,7 +159,7 @@ def _error_of(fn) -> str:
 
 def _qkv_linear_case(cfg, quant_config, state: dict, drop_scale: bool, bad_scale: bool):
     """A QKV linear of layer ``LAYER`` in NVFP4 loaded from the checkpoint, post-processed by
-    upstream's ModelOptFp4LinearMethod (patch 0011 on the CPU); returns (layer, error)."""
+    upstream's ModelOptFp4LinearMethod (patch 0009 on the CPU); returns (layer, error)."""
     from sglang.srt.layers.linear import QKVParallelLinear
 
     prefix = f"model.layers.{LAYER}.self_attn."
@@ -248,7 +248,7 @@ def main() -> None:
                 errors[f"{where}_{case}"] = _error_of(
                     lambda b=broken: _build(cfg, ModelOptFp4Config.from_config(quant), b)
                 )
-    # Dense NVFP4 linears (patch 0011): dequantized at load, and their broken scales.
+    # Dense NVFP4 linears (patch 0009): dequantized at load, and their broken scales.
     qkv, err = _qkv_linear_case(cfg, ModelOptFp4Config.from_config(quant), state, False, False)
     assert not err, err
     p = f"model.layers.{LAYER}.self_attn."

@@ -17,7 +17,7 @@ nvfp4``: the layout of nvidia/Qwen3-30B-A3B-FP4) without the cache and with it a
 * broken checkpoints fail at load naming the tensor, with the cache and without: a missing or
   mis-shaped expert ``weight_scale``, a missing expert ``weight_scale_2``; a QKV linear without
   a shard's ``weight_scale`` or with a mis-shaped one;
-* the dense NVFP4 linears are dequantized to bf16 at load (patch 0011) to within bf16 rounding.
+* the dense NVFP4 linears are dequantized to bf16 at load (patch 0009) to within bf16 rounding.
 """
 
 from pathlib import Path

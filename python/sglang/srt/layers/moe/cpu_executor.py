@@ -183,7 +183,7 @@ def nvfp4_cpu_executor_forward(
     layer: torch.nn.Module, x: torch.Tensor, topk_output, moe_runner_config
 ) -> torch.Tensor:
     """The routed-expert output of one resident ModelOpt NVFP4 MoE layer call on the CPU
-    executor (patch ``0011-modelopt-nvfp4-cpu``: ``ModelOptNvFp4FusedMoEMethod.apply`` on the
+    executor (patch ``0009-modelopt-nvfp4-cpu``: ``ModelOptNvFp4FusedMoEMethod.apply`` on the
     CPU, where upstream has no NVFP4 kernel). Weight-only: activations stay bf16, the layer's
     ``w13_input_scale`` / ``w2_input_scale`` are not read.
 
@@ -247,7 +247,7 @@ def check_fp8_layer(layer: torch.nn.Module) -> None:
 
 
 def check_nvfp4_layer(layer: torch.nn.Module) -> None:
-    """At load (patch 0011, ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` on
+    """At load (patch 0009, ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` on
     the CPU): raise unless :func:`nvfp4_cpu_executor_forward` can run this layer with every
     scale loaded, so that the server refuses to start instead of failing a request.
 

@@ -1,4 +1,4 @@
-"""ModelOpt NVFP4 checkpoints on the CPU (patch ``0011-modelopt-nvfp4-cpu``).
+"""ModelOpt NVFP4 checkpoints on the CPU (patch ``0009-modelopt-nvfp4-cpu``).
 
 Upstream 0.5.23 runs NVFP4 only on CUDA: ``ModelOptFp4LinearMethod`` needs SM100+ (or Marlin)
 and ``ModelOptNvFp4FusedMoEMethod`` refuses any platform but Blackwell or Marlin; both kernels
@@ -91,7 +91,7 @@ def dequantize_linear(layer: torch.nn.Module) -> None:
         layer: a ``LinearBase`` after loading: ``weight`` [N, K/2] uint8, ``weight_scale``
             [N, K/16] float8_e4m3fn, ``weight_scale_2`` [len(logical_widths)] float32 (one per
             fused shard), ``logical_widths`` the shards' rows, ``params_dtype`` the model dtype;
-            ``prefix`` (patch 0011) its name in the checkpoint.
+            ``prefix`` (patch 0009) its name in the checkpoint.
 
     Raises:
         ValueError: ``weight_scale`` of another shape, or scales the checkpoint never wrote
