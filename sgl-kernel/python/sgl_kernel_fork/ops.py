@@ -510,3 +510,35 @@ def extend_attention(
     :func:`extend_attention_supported`). Source: ``sgl-kernel/csrc/cpu/extend_attention.cpp``.
     """
     _ops.extend_attention_cpu(q, k, v, out, q_pos0, scale, causal)
+
+
+def dense_linear_max_rows() -> int:
+    """The most rows (tokens) :func:`dense_linear` takes (16)."""
+    return _ops.dense_linear_cpu_max_rows()
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``torch.ops.sgl_kernel.dense_linear_cpu``: ``y = bf16(x @ weight.T + bias)`` for decode.
+
+    Args:
+        x: ``[M, K]`` bfloat16, ``M <= dense_linear_max_rows()``; unit stride along ``K``,
+            any row stride.
+        weight: ``[N, K]`` bfloat16 (``nn.Linear``'s layout); unit stride along ``K``, any row
+            stride (a slice of a fused weight works in place).
+        bias: ``[N]`` bfloat16 or float32, or None.
+
+    Returns:
+        ``[M, N]`` bfloat16, contiguous: each element one float32 dot of exact bf16 products
+        (``vdpbf16ps`` with AVX-512 BF16, float32 FMA on the other levels), plus the bias in
+        float32, rounded once to bfloat16 (nearest-even). Bit-identical for any
+        ``expert_pool_set_threads`` count (for one :func:`cpu_isa` level).
+
+    Runs on the CPU executor's pinned pool (``csrc/cpu/cpu_executor_pool.h``): the weight is
+    streamed once for all ``M`` rows, so the op is bound by memory bandwidth, as a decode
+    step's linears are. Raises ``RuntimeError`` (naming the argument) for other dtypes,
+    devices, shapes, ``M`` above the limit, or a stride along ``K`` other than 1.
+    Source: ``sgl-kernel/csrc/cpu/dense_linear.cpp``.
+    """
+    return _ops.dense_linear_cpu(x, weight, bias)

@@ -85,6 +85,26 @@ ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe")
 # nvidia/Qwen3-30B-A3B-FP4's layouts).
 QUANT_ARCHS = ("qwen3_moe",)
 
+# Released models' layer shapes at the tiny model's depth (4 layers) and tokenizer, for
+# benchmarks that need real bytes per token (benchmark/cpu_decode.py): {name: (arch, config
+# keys replaced)}. qwen3-30b-a3b: Qwen3-30B-A3B's hidden 2048, 128 experts of 768 top-8,
+# 32 query / 4 KV heads of 128 (2.6 B parameters, 5.3 GB in bf16 with the 32,768-token vocab).
+SHAPES = {
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        {
+            "hidden_size": 2048,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "intermediate_size": 6144,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+        },
+    ),
+}
+
 
 def _common_config() -> dict:
     ids = tok_mod.added_token_ids()
@@ -268,8 +288,16 @@ def text_config(cfg: dict) -> dict:
     return cfg.get("text_config", cfg)
 
 
-def model_config(arch: str) -> dict:
-    """config.json contents for ``arch`` (keys as in the released Qwen / GLM checkpoints)."""
+def model_config(arch: str, shape: Optional[str] = None) -> dict:
+    """config.json contents for ``arch`` (keys as in the released Qwen / GLM checkpoints);
+    ``shape`` (a key of :data:`SHAPES`, whose arch it must be) replaces the layer sizes."""
+    if shape is not None:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; choose from {tuple(SHAPES)}")
+        shape_arch, sizes = SHAPES[shape]
+        if arch != shape_arch:
+            raise ValueError(f"shape {shape!r} is a {shape_arch} model, not {arch!r}")
+        return dict(sorted({**model_config(arch), **sizes}.items()))
     if arch == "glm4_moe":
         return dict(sorted(_glm4_moe_config().items()))
     if arch == "qwen3_5_moe":
@@ -571,12 +599,15 @@ def build(
     force: bool = False,
     use_tokenizer_cache: bool = True,
     quant: Optional[str] = None,
+    shape: Optional[str] = None,
 ) -> Path:
     """Write the tiny model for ``arch`` into ``out_dir``; returns the directory.
 
     ``quant`` (None = bf16) writes the checkpoint in a released quantized layout instead
     (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``"nvfp4"``,
-    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases; ``qwen3_moe`` only). Raises ValueError for an unknown arch or quant, or a quant the arch does not have.
+    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases; ``qwen3_moe`` only). ``shape`` (a key of
+    :data:`SHAPES`) builds a released model's layer sizes instead of the tiny ones. Raises
+    ValueError for an unknown arch, quant or shape, or a quant or shape the arch does not have.
 
     The directory is written next to its final place and renamed into it, so a reader never
     sees half a model. An existing non-empty ``out_dir`` is an error unless ``force``.
@@ -595,7 +626,7 @@ def build(
             raise FileExistsError(f"{out} exists and is not empty (use force=True / --force)")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    cfg = model_config(arch)
+    cfg = model_config(arch, shape)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / "config.json").write_text(_json_text(cfg), encoding="utf-8")
@@ -631,6 +662,6 @@ def build(
     return out
 
 
-def param_count(arch: str) -> int:
-    cfg = model_config(arch)
+def param_count(arch: str, shape: Optional[str] = None) -> int:
+    cfg = model_config(arch, shape)
     return sum(math.prod(s.shape) for _, s in _weight_specs(arch, cfg))
