@@ -27,10 +27,14 @@
 #            (test_cuda_pack_pin.py); a skipped test counts as a failure here
 #   control  benchmark/expert_cache/bench_control.py --device cuda
 #   step     benchmark/expert_cache/bench_gpu_step.py (Qwen3.6-35B-A3B shapes, eager + graph)
-# Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks. Writes $OUT/summary.txt (a line
-# per step and the benchmarks' last lines) and $OUT/log.txt (everything), $OUT being the device
-# tool's output folder, else .gpu-checks/. Exit 0 when every step passed, 1 when one failed, 2
-# when preflight found a missing piece. Each later GPU path adds its check here.
+#   prefill  benchmark/expert_cache/bench_prefill_stream.py --device cuda (the prefill double
+#            buffer: outputs against the CPU cache, transfer_bound_ratio; exits 1 on any mismatch)
+# Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks, ~1.5 min
+# prefill (a 6.4 GB pool filled and pinned; past the default budget it is skipped, saying so).
+# Writes $OUT/summary.txt (a line per step and the benchmarks' last lines) and $OUT/log.txt
+# (everything), $OUT being the device tool's output folder, else .gpu-checks/. Exit 0 when
+# every step passed, 1 when one failed, 2 when preflight found a missing piece. Each later GPU
+# path adds its check here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -39,7 +43,7 @@ WHEELS=${GPU_WHEELS:-$REPO/.gpu-wheels}
 SITE=${GPU_SITE:-/tmp/site}
 OUTDIR=${OUT:-$REPO/.gpu-checks}
 BUDGET=${GPU_CHECKS_BUDGET:-540}
-STEPS=${GPU_CHECKS_STEPS:-install apply build tests control step}
+STEPS=${GPU_CHECKS_STEPS:-install apply build tests control step prefill}
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 mkdir -p "$OUTDIR"
@@ -227,6 +231,14 @@ if want step; then
   step step 300 "$PY" benchmark/expert_cache/bench_gpu_step.py --device cuda --warmup 4 --steps 16 &&
     say "      $LAST"
   grep -E '^(# (device|routing|B_P|stand-ins)|c[0-9]+ )' "$LOG" | sed 's/^/      /' >>"$SUMMARY"
+fi
+if want prefill; then
+  # Qwen3.6-35B-A3B-like layers (256 experts of 2048 x 512, 6.3 MB each), 4 of them: a 6.4 GB
+  # pool; without the kernel wheel the stand-in align caps chunks at 32 tokens (the output says).
+  step prefill 180 "$PY" benchmark/expert_cache/bench_prefill_stream.py --device cuda \
+    --layers 4 --experts 256 --top-k 8 --hidden 2048 --intermediate 512 --reps 3 \
+    --lengths 32,1024,8192 &&
+    say "      $LAST"
 fi
 say "done in $((SECONDS - START))s: $([ $failed = 0 ] && echo 'every step passed' || echo 'FAILED steps above')"
 exit $failed

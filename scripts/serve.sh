@@ -14,6 +14,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   :
 else
   export SGLANG_USE_CPU_ENGINE=1
+  # torch's OpenMP workers sleep between ops instead of spinning: on a CPU machine they share
+  # the cores with the CPU executor's pinned pool, which ran the Qwen3-30B-A3B slice's MoE in
+  # 6.8 instead of 9.3 ms per decode step so (issue 18). An OMP_WAIT_POLICY set by the caller
+  # wins; set to empty it is unset (libgomp's default, spin then sleep).
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY-PASSIVE}
+  [ -n "$OMP_WAIT_POLICY" ] || unset OMP_WAIT_POLICY
   # Host memory is shared with everything else on a CPU machine: size the pools explicitly
   # (upstream's default takes ~70% of free RAM). 512K KV tokens fit two full-context requests;
   # 256 recurrent-state slots cover running requests plus cached prefixes of hybrid models.

@@ -22,8 +22,14 @@ after ``fsync``; ``O_DIRECT`` bypasses it anyway):
   expert tensor copied into its bank rows (gate and up into ``w13``, down into ``w2``), as
   ``FusedMoE``'s weight loader does.
 
+The disk's rate on a shared virtual disk moves by more than the target's margin from one minute
+to the next, so ``disk``, ``pack`` and ``pack_noverify`` run ``--reps`` interleaved rounds (the
+order of disk and pack alternating from round to round) and each ratio is the median of its
+per-round ratios; ``disk_fresh`` and ``safetensors`` run once. Per-kind GB/s are medians.
+
 Peak RSS is each process's ``ru_maxrss`` minus its RSS before the banks were allocated.
-Last line: ``load_ratio`` (pack GB/s / disk GB/s), ``vs_safetensors`` (pack GB/s /
+Last line: ``load_ratio`` (median per-round pack GB/s / disk GB/s, with its min and max
+``load_ratio_range``), ``vs_safetensors`` (pack GB/s /
 safetensors GB/s), ``rss_ratio`` (pack load's peak RSS growth / pool bytes), ``verify_cost``
 (pack_noverify GB/s / pack GB/s: 1.0 means checksums cost nothing), ``fresh_ratio`` (pack GB/s
 / disk_fresh GB/s), and the raw figures.
@@ -37,6 +43,7 @@ import mmap
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -155,6 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds of disk and pack")
     ap.add_argument("--dir", default="/tmp/bench_pool_load")
     ap.add_argument("--keep", action="store_true", help="keep the files")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -163,50 +171,61 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child, d, a.layers, a.threads)))
         return
+    rounds = []  # one {kind: result} per round
     try:
         build(d, a.layers)
-        res = {}
-        for kind in ("disk", "disk_fresh", "pack", "pack_noverify", "safetensors"):
-            for f in d.iterdir():
-                _drop(f)
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    kind,
-                    "--dir",
-                    str(d),
-                    "--layers",
-                    str(a.layers),
-                    "--threads",
-                    str(a.threads),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            res[kind] = json.loads(out.strip().splitlines()[-1])
-            r = res[kind]
-            print(
-                f"{kind}: {r['bytes'] / 1e9:.2f} GB in {r['seconds']:.2f} s = "
-                f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, peak RSS growth {r['rss_growth'] / 1e9:.2f} GB"
-            )
+        for r in range(a.reps):
+            pair = ("disk", "pack") if r % 2 == 0 else ("pack", "disk")
+            kinds = pair + ("pack_noverify",) + (("disk_fresh", "safetensors") if r == 0 else ())
+            rounds.append({})
+            for kind in kinds:
+                res = _run_child(kind, d, a)
+                rounds[-1][kind] = res
+                print(
+                    f"round {r} {kind}: {res['bytes'] / 1e9:.2f} GB in {res['seconds']:.2f} s = "
+                    f"{_gbps(res):.2f} GB/s, peak RSS growth {res['rss_growth'] / 1e9:.2f} GB"
+                )
     finally:
         if not a.keep:
             shutil.rmtree(d, ignore_errors=True)
-    gbps = {k: v["bytes"] / v["seconds"] / 1e9 for k, v in res.items()}
-    pool_bytes = res["pack"]["bytes"]
+
+    def med(kind: str) -> float:
+        return statistics.median(_gbps(r[kind]) for r in rounds if kind in r)
+
+    def med_ratio(num: str, den: str) -> tuple:
+        xs = [_gbps(r[num]) / _gbps(r[den]) for r in rounds]
+        return statistics.median(xs), min(xs), max(xs)
+
+    load_ratio, lo, hi = med_ratio("pack", "disk")
+    verify_cost = med_ratio("pack_noverify", "pack")[0]
+    first = rounds[0]
+    pool_bytes = first["pack"]["bytes"]
+    rss = max(r["pack"]["rss_growth"] for r in rounds)
     load = os.getloadavg()
     print(
-        f"load_ratio={gbps['pack'] / gbps['disk']:.3f} vs_safetensors={gbps['pack'] / gbps['safetensors']:.3f} "
-        f"rss_ratio={res['pack']['rss_growth'] / pool_bytes:.3f} pack_gbps={gbps['pack']:.3f} "
-        f"disk_gbps={gbps['disk']:.3f} safetensors_gbps={gbps['safetensors']:.3f} "
-        f"verify_cost={gbps['pack_noverify'] / gbps['pack']:.3f} "
-        f"fresh_ratio={gbps['pack'] / gbps['disk_fresh']:.3f} disk_fresh_gbps={gbps['disk_fresh']:.3f} "
-        f"pool_gb={pool_bytes / 1e9:.2f} direct_share={res['pack']['direct_bytes'] / pool_bytes:.3f} "
-        f"threads={a.threads} loadavg={load[0]:.2f}"
+        f"load_ratio={load_ratio:.3f} load_ratio_range={lo:.3f}-{hi:.3f} "
+        f"vs_safetensors={med('pack') / med('safetensors'):.3f} "
+        f"rss_ratio={rss / pool_bytes:.3f} pack_gbps={med('pack'):.3f} "
+        f"disk_gbps={med('disk'):.3f} safetensors_gbps={med('safetensors'):.3f} "
+        f"verify_cost={verify_cost:.3f} "
+        f"fresh_ratio={med('pack') / med('disk_fresh'):.3f} disk_fresh_gbps={med('disk_fresh'):.3f} "
+        f"pool_gb={pool_bytes / 1e9:.2f} direct_share={first['pack']['direct_bytes'] / pool_bytes:.3f} "
+        f"reps={a.reps} threads={a.threads} loadavg={load[0]:.2f}"
     )
+
+
+def _gbps(res: dict) -> float:
+    return res["bytes"] / res["seconds"] / 1e9
+
+
+def _run_child(kind: str, d: Path, a) -> dict:
+    """One load of ``kind`` in a fresh process, after dropping every file's cached pages."""
+    for f in d.iterdir():
+        _drop(f)
+    cmd = [sys.executable, __file__, "--child", kind, "--dir", str(d)]
+    cmd += ["--layers", str(a.layers), "--threads", str(a.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -25,9 +25,14 @@ DEFAULT_MODELS = {
     "qwen3_moe": "qwen3-moe-tiny",
     "glm4_moe": "glm4-moe-tiny",
     "qwen3_moe_fp8": "qwen3-moe-fp8-tiny",
+    "qwen3_5_moe": "qwen3.5-moe-tiny",
+    "qwen3_moe_nvfp4": "qwen3-moe-nvfp4-tiny",
 }
 # Quantized tiny models: (architecture, --quant) of the builder.
-QUANTIZED = {"qwen3_moe_fp8": ("qwen3_moe", "fp8")}
+QUANTIZED = {
+    "qwen3_moe_fp8": ("qwen3_moe", "fp8"),
+    "qwen3_moe_nvfp4": ("qwen3_moe", "nvfp4"),
+}
 
 
 def ensure_model(arch: str = "qwen3_next") -> Path:

@@ -40,6 +40,14 @@ from e2e_util import (
 NEW_TOKENS = 16
 NATIVE = {"SGLANG_CPU_MOE_BACKEND": "native"}  # upstream's per-expert torch loop (cpu_executor.py)
 RESIDENT = ("--expert-cache-size", "100%", "--expert-cache-policy", "fill")
+PREFILL_STREAM = (
+    "--expert-cache-size",
+    "100%",
+    "--expert-cache-policy",
+    "qstar",
+    "--expert-cache-prefill-stream",
+    "force",
+)
 # Per model: one layer's top-k (8 slots) with qstar (fills and CPU experts in one call) and one
 # other policy, and a larger share of the pool; together every policy runs at 8 slots and both
 # models run qstar. The whole size x policy grid runs at the layer level
@@ -56,6 +64,8 @@ CONFIGS = {
         ("--expert-cache-size", "8", "--expert-cache-policy", "fill"),
         ("--expert-cache-size", "25%", "--expert-cache-policy", "cpu"),
         ("--expert-cache-size", "8", "--expert-cache-policy", "qstar"),
+        # the prefill double buffer forced on (256 slots: two layers of 64 borrowed per pass)
+        PREFILL_STREAM,
     ],
 }
 # The metrics test runs on the last server of test_cache_equals_all_resident, the qwen3_moe
@@ -106,6 +116,15 @@ def test_cache_equals_all_resident(results, arch, config):
         assert a["tokens"] == b["tokens"], f"prompt {i}: greedy tokens differ"
         assert a["in_lp"] == b["in_lp"], f"prompt {i}: input logprobs differ"
         assert a["out_lp"] == b["out_lp"], f"prompt {i}: output logprobs differ"
+
+
+def test_forced_prefill_stream_ran(results, server_pool):
+    """The forced configuration's prefills did go through the full-layer buffers (its outputs
+    equal the all-resident ones: test_cache_equals_all_resident)."""
+    results("qwen3_moe", PREFILL_STREAM)
+    srv = server_pool.get("qwen3_moe", _cache_args("qwen3_moe", PREFILL_STREAM))
+    log = srv.log.read_text(errors="replace")
+    assert "streamed through two full-layer buffers" in log, srv.log_tail(40)
 
 
 def test_metrics_exported(results, server_pool):

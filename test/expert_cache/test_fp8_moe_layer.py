@@ -8,7 +8,7 @@ Checked:
 * the host pool holds every per-expert tensor of ``Fp8MoEMethod.create_weights`` as banks
   (``w13``/``w2`` float8_e4m3fn, ``w13_scale``/``w2_scale`` float32) with the checkpoint's
   bytes, and every slot holds the bytes of the host row it caches;
-* (needs the FP8 executor kernel, skipped without it) every cache configuration is bit-identical to the stock FP8 block (all resident: the CPU
+* every cache configuration is bit-identical to the stock FP8 block (all resident: the CPU
   executor runs the same kernel per (token, expert) from either bank set);
 * the output is within the stated tolerance of a float64 reference with dequantized weights,
   and far from it with the scales dropped (so a lost scale cannot pass);

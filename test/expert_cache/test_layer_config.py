@@ -16,7 +16,7 @@ from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
 
-def _context(monkeypatch, *, tp=1, ep=1, paged=False, **moe_flags):
+def _context(monkeypatch, *, tp=1, ep=1, paged=False, device="cpu", **moe_flags):
     moe = SimpleNamespace(
         enable_expert_cache=True,
         enable_paged_experts=paged,
@@ -37,7 +37,7 @@ def _context(monkeypatch, *, tp=1, ep=1, paged=False, **moe_flags):
             hf_text_config=SimpleNamespace(num_experts_per_tok=8, num_hidden_layers=4)
         ),
     )
-    monkeypatch.setattr(runtime_context, "get_device", lambda: SimpleNamespace(device="cpu"))
+    monkeypatch.setattr(runtime_context, "get_device", lambda: SimpleNamespace(device=device))
 
 
 def _layer(**cfg):
@@ -57,6 +57,23 @@ def test_a_plain_bf16_layer_gets_the_cache_method(monkeypatch):
     assert isinstance(method, ExpertCacheMoEMethod)
     assert (method.layer_id, method.top_k, method.num_layers) == (2, 8, 4)
     assert method.config.size.fraction == 0.25
+
+
+def _nvfp4():
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
+
+    method = ModelOptNvFp4FusedMoEMethod.__new__(ModelOptNvFp4FusedMoEMethod)
+    method.quant_config = SimpleNamespace(is_checkpoint_nvfp4_serialized=True)
+    return method
+
+
+def test_modelopt_nvfp4_experts_are_served_on_the_cpu_only(monkeypatch):
+    _context(monkeypatch)
+    method = make_for_layer(_layer(), _nvfp4())
+    assert (method.label, method.weight_block_size) == ("nvfp4", None)
+    _context(monkeypatch, device="cuda")
+    with pytest.raises(RuntimeError, match="NVFP4 experts in GPU slots are not supported yet"):
+        make_for_layer(_layer(), _nvfp4())
 
 
 def test_every_problem_is_listed_with_what_to_change(monkeypatch):

@@ -173,7 +173,7 @@ def test_a_run_goes_through_every_step_and_summarizes(machine):
     env, _ = machine
     rc, out, summary = run(env)
     assert rc == 0, out
-    for name in ("install", "apply", "build", "cuda-op", "tests", "control", "step"):
+    for name in ("install", "apply", "build", "cuda-op", "tests", "control", "step", "prefill"):
         assert f"PASS  {name} " in summary, (name, summary)
     assert (
         'tests: tests="3" failures="0" errors="0" skipped="0"'

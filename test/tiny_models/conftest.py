@@ -91,3 +91,15 @@ def fp8_dir(tmp_path_factory):
     return tiny_models.build(
         "qwen3_moe", tmp_path_factory.mktemp("m") / "qwen3_moe_fp8", quant="fp8"
     )
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir(tmp_path_factory):
+    return tiny_models.build("qwen3_5_moe", tmp_path_factory.mktemp("m") / "qwen3_5_moe")
+
+
+@pytest.fixture(scope="session")
+def nvfp4_dir(tmp_path_factory):
+    return tiny_models.build(
+        "qwen3_moe", tmp_path_factory.mktemp("m") / "qwen3_moe_nvfp4", quant="nvfp4"
+    )

@@ -118,3 +118,20 @@ def test_cli(tmp_path, next_dir):
     assert filecmp.cmp(next_dir / "model.safetensors", out / "model.safetensors", shallow=False)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--force" in r.stderr
+
+
+def test_released_shape_config(tm):
+    """``--shape qwen3-30b-a3b``: Qwen3-30B-A3B's layer sizes at 4 layers (checked on the config
+    and the parameter count, without writing the 5 GB checkpoint)."""
+    cfg = tm.builder.model_config("qwen3_moe", "qwen3-30b-a3b")
+    want = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, head_dim=128)
+    want.update(moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4)
+    assert {k: cfg[k] for k in want} == want
+    assert cfg["num_hidden_layers"] == 4 and cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    h, v = 2048, cfg["vocab_size"]
+    layer = h * 128 * (2 * 32 + 2 * 4) + 128 * h + 128 * 3 * 768 * h + 2 * h + 2 * 128
+    assert tm.builder.param_count("qwen3_moe", "qwen3-30b-a3b") == 4 * layer + 2 * v * h + h
+    with pytest.raises(ValueError, match="is a qwen3_moe model, not 'qwen3_next'"):
+        tm.builder.model_config("qwen3_next", "qwen3-30b-a3b")
+    with pytest.raises(ValueError, match="unknown shape"):
+        tm.builder.model_config("qwen3_moe", "nope")

@@ -381,34 +381,6 @@ class MoeChunkJob final : public ItemJob {
   std::atomic<int32_t> p2_done_{0};
 };
 
-// Releases the GIL while the calling thread blocks (pool threads never need
-// it), so other Python threads run; a no-op when called without the GIL.
-struct GilRelease {
-  PyThreadState* st = nullptr;
-  GilRelease() {
-    if (Py_IsInitialized() && PyGILState_Check()) st = PyEval_SaveThread();
-  }
-  ~GilRelease() {
-    if (st) PyEval_RestoreThread(st);
-  }
-};
-
-// Waits for a handle with the GIL released, then, holding it again, drops the
-// jobs' tensor references and rethrows the first error.
-void wait_and_release(ExpertPool& pool, int64_t handle) {
-  std::vector<std::shared_ptr<PoolJob>> jobs;
-  {
-    GilRelease nogil;
-    jobs = pool.wait(handle);
-  }
-  std::string err;
-  for (auto& j : jobs) {
-    if (err.empty()) err = j->error();
-    j->release();
-  }
-  TORCH_CHECK(err.empty(), err);
-}
-
 #define MOE_CHECK(cond, ...) TORCH_CHECK(cond, "moe_experts_cpu: ", __VA_ARGS__)
 
 // Validates the arguments, resolves each (t,k) to its set and row, and splits

@@ -1,6 +1,7 @@
 // Persistent pinned worker pool of the CPU executor (see cpu_executor_pool.h).
 #include "cpu_executor_pool.h"
 
+#include <Python.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -352,6 +353,28 @@ std::string ExpertPool::info() {
     << " physical_cores=" << s.topo.cores.size() << " allowed_cpus=" << s.topo.allowed << " topology=\""
     << s.topo.source << "\" isa=" << current_isa() << " dot=\"" << mk.dot << "\" spin_us=" << spin_ns() / 1000;
   return o.str();
+}
+
+GilRelease::GilRelease() {
+  if (Py_IsInitialized() && PyGILState_Check()) st_ = PyEval_SaveThread();
+}
+
+GilRelease::~GilRelease() {
+  if (st_) PyEval_RestoreThread(static_cast<PyThreadState*>(st_));
+}
+
+void wait_and_release(ExpertPool& pool, int64_t handle) {
+  std::vector<std::shared_ptr<PoolJob>> jobs;
+  {
+    GilRelease nogil;
+    jobs = pool.wait(handle);
+  }
+  std::string err;
+  for (auto& j : jobs) {
+    if (err.empty()) err = j->error();
+    j->release();
+  }
+  TORCH_CHECK(err.empty(), err);
 }
 
 }  // namespace sglk

@@ -104,6 +104,23 @@ class ExpertPool {
   void finish(PoolJob* job);
 };
 
+// Releases the GIL while the calling thread blocks (pool threads never need
+// it), so other Python threads run; a no-op when called without the GIL.
+struct GilRelease {
+  GilRelease();
+  ~GilRelease();
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  void* st_ = nullptr;  // PyThreadState*
+};
+
+// Waits for a handle with the GIL released, then, holding it again, drops the
+// jobs' tensor references (PoolJob::release) and rethrows the first error
+// (c10::Error). What every operator on the pool calls after submit().
+void wait_and_release(ExpertPool& pool, int64_t handle);
+
 // Spins (then yields) until a >= target; the acquire load orders the reads
 // that follow after the writes released by the increments of a.
 inline void spin_until(const std::atomic<int32_t>& a, int32_t target) {

@@ -39,6 +39,15 @@ at::Tensor causal_conv1d_update_cpu(const at::Tensor& x, const at::Tensor& conv_
 at::Tensor fused_rmsnorm_gated_cpu(const at::Tensor& input, const c10::optional<at::Tensor>& weight,
                                    const c10::optional<at::Tensor>& gate, double eps);
 void fused_sigmoid_mul_cpu(const at::Tensor& x, const at::Tensor& gate);
+std::tuple<at::Tensor, at::Tensor> fused_qk_gemma_rmsnorm_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& q_weight, const at::Tensor& k_weight,
+                                                              double eps, int64_t head_dim);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_qk_gemma_rmsnorm_with_gate_cpu(
+    const at::Tensor& q_gate, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+    int64_t head_dim, int64_t num_head);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_qkvzba_split_reshape_cat_contiguous_cpu(
+    const at::Tensor& mixed_qkvz, const at::Tensor& mixed_ba, int64_t num_heads_qk, int64_t num_heads_v,
+    int64_t head_qk, int64_t head_v);
 void assign_req_to_token_pool_cpu(const at::Tensor& req_pool_indices, const at::Tensor& req_to_token,
                                   const at::Tensor& start_offset, const at::Tensor& end_offset,
                                   const at::Tensor& out_cache_loc, int64_t pool_len);
@@ -98,6 +107,16 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   // norms / elementwise
   m.def("fused_rmsnorm_gated_cpu(Tensor input, Tensor? weight, Tensor? gate, float eps) -> Tensor");
   m.def("fused_sigmoid_mul_cpu(Tensor(a!) x, Tensor gate) -> ()");
+  // Qwen3.5 (csrc/cpu/qwen3_5.cpp)
+  m.def(
+      "fused_qk_gemma_rmsnorm_cpu(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "fused_qk_gemma_rmsnorm_with_gate_cpu(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, float eps, "
+      "int head_dim, int num_head) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_qkvzba_split_reshape_cat_contiguous_cpu(Tensor mixed_qkvz, Tensor mixed_ba, int num_heads_qk, "
+      "int num_heads_v, int head_qk, int head_v) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // memory management
   m.def(
@@ -146,6 +165,9 @@ TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
   m.impl("causal_conv1d_update_cpu", &sglk::causal_conv1d_update_cpu);
   m.impl("fused_rmsnorm_gated_cpu", &sglk::fused_rmsnorm_gated_cpu);
   m.impl("fused_sigmoid_mul_cpu", &sglk::fused_sigmoid_mul_cpu);
+  m.impl("fused_qk_gemma_rmsnorm_cpu", &sglk::fused_qk_gemma_rmsnorm_cpu);
+  m.impl("fused_qk_gemma_rmsnorm_with_gate_cpu", &sglk::fused_qk_gemma_rmsnorm_with_gate_cpu);
+  m.impl("fused_qkvzba_split_reshape_cat_contiguous_cpu", &sglk::fused_qkvzba_split_reshape_cat_contiguous_cpu);
   m.impl("assign_req_to_token_pool_cpu", &sglk::assign_req_to_token_pool_cpu);
   m.impl("copy_all_layer_kv_cache_cpu", &sglk::copy_all_layer_kv_cache_cpu);
   m.impl("murmur_hash32_cpu", &sglk::murmur_hash32_cpu);

@@ -298,6 +298,100 @@ def fused_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> None:
     _ops.fused_sigmoid_mul_cpu(x, gate)
 
 
+def fused_qk_gemma_rmsnorm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    head_dim: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-head GemmaRMSNorm of q and k: ``torch.ops.sgl_kernel.fused_qk_gemma_rmsnorm_cpu``.
+
+    ``y = x * rsqrt(mean(x^2) + eps) * (1 + w)`` over each head of ``head_dim`` values, in
+    float32, rounded once to the input's dtype.
+
+    Args:
+        q: ``[T, nh * head_dim]`` float32 or bfloat16 (a column slice of the qkv projection
+            is read in place; any shape whose last dimension holds whole heads); k likewise
+            with ``nkv`` heads; q_weight, k_weight: ``[head_dim]``.
+
+    Returns:
+        ``(q_out [T * nh, head_dim], k_out [T * nkv, head_dim])``, contiguous.
+
+    Raises:
+        RuntimeError: a last dimension that is not whole heads, a weight of another size, a
+        dtype other than float32 / bfloat16.
+
+    Source: ``_fused_qk_gemma_rmsnorm_kernel`` in upstream's ``srt/models/utils.py``;
+    transformers' ``Qwen3_5MoeRMSNorm``.
+    """
+    return _ops.fused_qk_gemma_rmsnorm_cpu(q, k, q_weight, k_weight, eps, head_dim)
+
+
+def fused_qk_gemma_rmsnorm_with_gate(
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    head_dim: int,
+    num_head: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_qk_gemma_rmsnorm` for an output-gated attention (Qwen3.5, Qwen3-Next):
+    ``torch.ops.sgl_kernel.fused_qk_gemma_rmsnorm_with_gate_cpu``.
+
+    Args:
+        q_gate: ``[T, num_head * 2 * head_dim]``, each head ``[q_h | gate_h]`` (a column slice
+            of the qkv projection is read in place); k: ``[T, nkv * head_dim]``.
+
+    Returns:
+        ``(q_out [T * num_head, head_dim], k_out [T * nkv, head_dim], gate_out [T * num_head,
+        head_dim])``: q and k normed, the gate copied; contiguous.
+
+    Raises:
+        RuntimeError: q_gate's width is not ``num_head * 2 * head_dim``, or as
+        :func:`fused_qk_gemma_rmsnorm`.
+
+    Source: ``_fused_qk_gemma_rmsnorm_gate_kernel`` in upstream's ``srt/models/utils.py``.
+    """
+    return _ops.fused_qk_gemma_rmsnorm_with_gate_cpu(
+        q_gate, k, q_weight, k_weight, eps, head_dim, num_head
+    )
+
+
+def fused_qkvzba_split_reshape_cat_contiguous(
+    mixed_qkvz: torch.Tensor,
+    mixed_ba: torch.Tensor,
+    num_heads_qk: int,
+    num_heads_v: int,
+    head_qk: int,
+    head_v: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split of Qwen3.5's gated-DeltaNet input projections:
+    ``torch.ops.sgl_kernel.fused_qkvzba_split_reshape_cat_contiguous_cpu``.
+
+    Args:
+        mixed_qkvz: ``[B, qkv_dim + nv * hv]`` laid out ``[all_q | all_k | all_v | all_z]``,
+            where ``qkv_dim = 2 * num_heads_qk * head_qk + num_heads_v * head_v``;
+            mixed_ba: ``[B, 2 * nv]`` laid out ``[all_b | all_a]``.
+
+    Returns:
+        New tensors (never views of the inputs): ``mixed_qkv [B, qkv_dim]``, ``z [B, nv, hv]``,
+        ``b [B, nv]``, ``a [B, nv]``.
+
+    Raises:
+        RuntimeError: inputs narrower than these layouts, or ``num_heads_v`` not a multiple
+        of ``num_heads_qk``.
+
+    Source: ``fused_qkvzba_split_reshape_cat_contiguous`` in upstream's
+    ``kernels/ops/attention/triton_gdn_fused_proj.py``.
+    """
+    return _ops.fused_qkvzba_split_reshape_cat_contiguous_cpu(
+        mixed_qkvz, mixed_ba, num_heads_qk, num_heads_v, head_qk, head_v
+    )
+
+
 def assign_req_to_token_pool_cpu(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -416,3 +510,35 @@ def extend_attention(
     :func:`extend_attention_supported`). Source: ``sgl-kernel/csrc/cpu/extend_attention.cpp``.
     """
     _ops.extend_attention_cpu(q, k, v, out, q_pos0, scale, causal)
+
+
+def dense_linear_max_rows() -> int:
+    """The most rows (tokens) :func:`dense_linear` takes (16)."""
+    return _ops.dense_linear_cpu_max_rows()
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``torch.ops.sgl_kernel.dense_linear_cpu``: ``y = bf16(x @ weight.T + bias)`` for decode.
+
+    Args:
+        x: ``[M, K]`` bfloat16, ``M <= dense_linear_max_rows()``; unit stride along ``K``,
+            any row stride.
+        weight: ``[N, K]`` bfloat16 (``nn.Linear``'s layout); unit stride along ``K``, any row
+            stride (a slice of a fused weight works in place).
+        bias: ``[N]`` bfloat16 or float32, or None.
+
+    Returns:
+        ``[M, N]`` bfloat16, contiguous: each element one float32 dot of exact bf16 products
+        (``vdpbf16ps`` with AVX-512 BF16, float32 FMA on the other levels), plus the bias in
+        float32, rounded once to bfloat16 (nearest-even). Bit-identical for any
+        ``expert_pool_set_threads`` count (for one :func:`cpu_isa` level).
+
+    Runs on the CPU executor's pinned pool (``csrc/cpu/cpu_executor_pool.h``): the weight is
+    streamed once for all ``M`` rows, so the op is bound by memory bandwidth, as a decode
+    step's linears are. Raises ``RuntimeError`` (naming the argument) for other dtypes,
+    devices, shapes, ``M`` above the limit, or a stride along ``K`` other than 1.
+    Source: ``sgl-kernel/csrc/cpu/dense_linear.cpp``.
+    """
+    return _ops.dense_linear_cpu(x, weight, bias)

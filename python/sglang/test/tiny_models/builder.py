@@ -1,5 +1,5 @@
-"""Build tiny random-weight Qwen3-Next / Qwen3-MoE / GLM-4.5-MoE checkpoints (config, weights,
-tokenizer).
+"""Build tiny random-weight Qwen3-Next / Qwen3-MoE / GLM-4.5-MoE / Qwen3.5-MoE checkpoints
+(config, weights, tokenizer; Qwen3.5 also its image and video processor configs).
 
 Everything is deterministic: the same ``seed`` gives byte-identical files on every run. Each
 tensor is drawn from its own generator seeded by (seed, tensor name), so changing one shape
@@ -80,9 +80,30 @@ GLM_FIRST_K_DENSE = 1
 GLM_DENSE_INTERMEDIATE = 512
 
 
-ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe")
-# Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's layout).
+ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe")
+# Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
+# nvidia/Qwen3-30B-A3B-FP4's layouts).
 QUANT_ARCHS = ("qwen3_moe",)
+
+# Released models' layer shapes at the tiny model's depth (4 layers) and tokenizer, for
+# benchmarks that need real bytes per token (benchmark/cpu_decode.py): {name: (arch, config
+# keys replaced)}. qwen3-30b-a3b: Qwen3-30B-A3B's hidden 2048, 128 experts of 768 top-8,
+# 32 query / 4 KV heads of 128 (2.6 B parameters, 5.3 GB in bf16 with the 32,768-token vocab).
+SHAPES = {
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        {
+            "hidden_size": 2048,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "intermediate_size": 6144,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+        },
+    ),
+}
 
 
 def _common_config() -> dict:
@@ -165,10 +186,122 @@ def _glm4_moe_config() -> dict:
     }
 
 
-def model_config(arch: str) -> dict:
-    """config.json contents for ``arch`` (keys as in the released Qwen / GLM checkpoints)."""
+# Qwen3.5 MoE (Qwen/Qwen3.5-35B-A3B's config.json: a vision-language wrapper around a
+# Qwen3-Next-style text model with GemmaRMSNorms, an output-gated full attention every 4th layer,
+# gated DeltaNet with separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, one gated shared
+# expert, interleaved M-RoPE on a quarter of the head). The vision tower is as small as its
+# config allows; it is loaded but only text is served here.
+QWEN3_5_MROPE_SECTION = [3, 3, 2]  # sums to the rotary half-dim: HEAD_DIM * 0.25 / 2
+QWEN3_5_VISION = {
+    "deepstack_visual_indexes": [],
+    "depth": 1,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 64,
+    "in_channels": 3,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "model_type": "qwen3_5_moe",
+    "num_heads": 2,
+    "num_position_embeddings": 64,
+    "out_hidden_size": HIDDEN,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+
+# preprocessor_config.json / video_preprocessor_config.json of the release (Qwen3-VL's
+# processors): the server's tokenizer manager loads them for a vision-language model.
+QWEN3_5_IMAGE_PROCESSOR = {
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "image_std": [0.5, 0.5, 0.5],
+    "merge_size": 2,
+    "patch_size": 16,
+    "processor_class": "Qwen3VLProcessor",
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "temporal_patch_size": 2,
+}
+QWEN3_5_VIDEO_PROCESSOR = {
+    **{k: v for k, v in QWEN3_5_IMAGE_PROCESSOR.items() if k != "image_processor_type"},
+    "fps": 2,
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+
+
+def _qwen3_5_moe_config() -> dict:
+    text = _common_config()
+    for key in (
+        "rope_theta",
+        "rope_scaling",
+        "torch_dtype",
+        "mlp_only_layers",
+        "use_sliding_window",
+    ):
+        text.pop(key)
+    text.update(
+        {
+            "model_type": "qwen3_5_moe_text",
+            "attn_output_gate": True,
+            "dtype": "bfloat16",
+            "full_attention_interval": FULL_ATTENTION_INTERVAL,
+            "layer_types": [
+                "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+                for i in range(NUM_LAYERS)
+            ],
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_num_key_heads": 4,
+            "linear_num_value_heads": 8,
+            "partial_rotary_factor": 0.25,
+            "rope_parameters": {
+                "mrope_interleaved": True,
+                "mrope_section": QWEN3_5_MROPE_SECTION,
+                "partial_rotary_factor": 0.25,
+                "rope_theta": ROPE_THETA,
+                "rope_type": "default",
+            },
+            "shared_expert_intermediate_size": MOE_INTERMEDIATE,
+        }
+    )
+    ids = tok_mod.added_token_ids()
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": dict(sorted(text.items())),
+        "vision_config": QWEN3_5_VISION,
+        # the released ids of <|image_pad|> etc. lie beyond this vocabulary: these are ordinary
+        # ids of it (the last BPE tokens), which text-only serving never reads
+        "image_token_id": ids[tok_mod.ENDOFTEXT] - 4,
+        "video_token_id": ids[tok_mod.ENDOFTEXT] - 3,
+        "vision_start_token_id": ids[tok_mod.ENDOFTEXT] - 2,
+        "vision_end_token_id": ids[tok_mod.ENDOFTEXT] - 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's part of ``cfg`` (``text_config`` of a vision-language wrapper)."""
+    return cfg.get("text_config", cfg)
+
+
+def model_config(arch: str, shape: Optional[str] = None) -> dict:
+    """config.json contents for ``arch`` (keys as in the released Qwen / GLM checkpoints);
+    ``shape`` (a key of :data:`SHAPES`, whose arch it must be) replaces the layer sizes."""
+    if shape is not None:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; choose from {tuple(SHAPES)}")
+        shape_arch, sizes = SHAPES[shape]
+        if arch != shape_arch:
+            raise ValueError(f"shape {shape!r} is a {shape_arch} model, not {arch!r}")
+        return dict(sorted({**model_config(arch), **sizes}.items()))
     if arch == "glm4_moe":
         return dict(sorted(_glm4_moe_config().items()))
+    if arch == "qwen3_5_moe":
+        return dict(sorted(_qwen3_5_moe_config().items()))
     cfg = _common_config()
     if arch == "qwen3_next":
         cfg.update(
@@ -205,6 +338,7 @@ def model_config(arch: str) -> dict:
 
 
 def generation_config(cfg: dict) -> dict:
+    cfg = text_config(cfg)
     return {
         "bos_token_id": cfg["bos_token_id"],
         "do_sample": False,
@@ -244,28 +378,95 @@ def _mlp_specs(prefix: str, h: int, inter: int) -> List[Tuple[str, _Spec]]:
 
 
 def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
+    if arch == "qwen3_5_moe":  # the text model under model.language_model, then the vision tower
+        text = _text_weight_specs(arch, text_config(cfg), "model.language_model.")
+        return text + _vision_weight_specs(cfg["vision_config"])
+    return _text_weight_specs(arch, cfg, "model.")
+
+
+def _vision_weight_specs(vc: dict) -> List[Tuple[str, _Spec]]:
+    """Qwen3.5's vision tower (transformers' ``Qwen3_5MoeVisionModel`` names and shapes)."""
+    d, inter, out = vc["hidden_size"], vc["intermediate_size"], vc["out_hidden_size"]
+    patch = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+    merged = d * vc["spatial_merge_size"] ** 2
+    p = "model.visual."
+    specs = [
+        (
+            p + "patch_embed.proj.weight",
+            _Spec(
+                (
+                    d,
+                    vc["in_channels"],
+                    vc["temporal_patch_size"],
+                    vc["patch_size"],
+                    vc["patch_size"],
+                ),
+                "proj",
+                patch,
+            ),
+        ),
+        (p + "patch_embed.proj.bias", _Spec((d,), "attn_bias")),
+        (p + "pos_embed.weight", _Spec((vc["num_position_embeddings"], d), "attn_bias")),
+    ]
+
+    def linear(name, n_out, n_in):
+        return [
+            (name + ".weight", _Spec((n_out, n_in), "proj", n_in)),
+            (name + ".bias", _Spec((n_out,), "attn_bias")),
+        ]
+
+    def layernorm(name, n):
+        return [
+            (name + ".weight", _Spec((n,), "norm1")),
+            (name + ".bias", _Spec((n,), "attn_bias")),
+        ]
+
+    for i in range(vc["depth"]):
+        b = f"{p}blocks.{i}."
+        specs += layernorm(b + "norm1", d) + layernorm(b + "norm2", d)
+        specs += linear(b + "attn.qkv", 3 * d, d) + linear(b + "attn.proj", d, d)
+        specs += linear(b + "mlp.linear_fc1", inter, d) + linear(b + "mlp.linear_fc2", d, inter)
+    specs += layernorm(p + "merger.norm", d)
+    specs += linear(p + "merger.linear_fc1", merged, merged) + linear(
+        p + "merger.linear_fc2", out, merged
+    )
+    return specs
+
+
+def _text_weight_specs(arch: str, cfg: dict, prefix: str) -> List[Tuple[str, _Spec]]:
     h = cfg["hidden_size"]
     v = cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     e = cfg.get("num_experts") or cfg["n_routed_experts"]  # Qwen / GLM key
     mi = cfg["moe_intermediate_size"]
-    gemma_norm = arch == "qwen3_next"  # Qwen3-Next RMSNorms compute x * (1 + w)
+    # Qwen3-Next and Qwen3.5 RMSNorms compute x * (1 + w); both gate their attention output
+    gemma_norm = arch in ("qwen3_next", "qwen3_5_moe")
     norm_kind = "norm0" if gemma_norm else "norm1"
-    specs: List[Tuple[str, _Spec]] = [("model.embed_tokens.weight", _Spec((v, h), "embed"))]
+    specs: List[Tuple[str, _Spec]] = [(prefix + "embed_tokens.weight", _Spec((v, h), "embed"))]
     for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         specs.append((p + "input_layernorm.weight", _Spec((h,), norm_kind)))
         specs.append((p + "post_attention_layernorm.weight", _Spec((h,), norm_kind)))
-        interval = cfg.get("full_attention_interval")  # Qwen3-Next only
+        interval = cfg.get("full_attention_interval")  # Qwen3-Next / Qwen3.5 only
         if interval and (i + 1) % interval != 0:  # gated DeltaNet layer
             nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
             dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
             kdim, vdim = nk * dk, nv * dv
             conv_dim = 2 * kdim + vdim
             a = p + "linear_attn."
+            if arch == "qwen3_5_moe":  # four projections, [q | k | v] contiguous
+                specs += [
+                    (a + "in_proj_qkv.weight", _Spec((2 * kdim + vdim, h), "proj", h)),
+                    (a + "in_proj_z.weight", _Spec((vdim, h), "proj", h)),
+                    (a + "in_proj_b.weight", _Spec((nv, h), "proj", h)),
+                    (a + "in_proj_a.weight", _Spec((nv, h), "proj", h)),
+                ]
+            else:  # Qwen3-Next: [q k v z] and [b a] interleaved per key-head group
+                specs += [
+                    (a + "in_proj_qkvz.weight", _Spec((2 * kdim + 2 * vdim, h), "proj", h)),
+                    (a + "in_proj_ba.weight", _Spec((2 * nv, h), "proj", h)),
+                ]
             specs += [
-                (a + "in_proj_qkvz.weight", _Spec((2 * kdim + 2 * vdim, h), "proj", h)),
-                (a + "in_proj_ba.weight", _Spec((2 * nv, h), "proj", h)),
                 (a + "conv1d.weight", _Spec((conv_dim, 1, cfg["linear_conv_kernel_dim"]), "conv")),
                 (a + "dt_bias", _Spec((nv,), "dt_bias")),
                 (a + "A_log", _Spec((nv,), "A_log")),
@@ -274,7 +475,7 @@ def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
             ]
         else:
             a = p + "self_attn."
-            q_out = nh * hd * (2 if arch == "qwen3_next" else 1)  # Qwen3-Next: query + gate
+            q_out = nh * hd * (2 if gemma_norm else 1)  # Qwen3-Next / Qwen3.5: query + gate
             specs += [
                 (a + "q_proj.weight", _Spec((q_out, h), "proj", h)),
                 (a + "k_proj.weight", _Spec((nkv * hd, h), "proj", h)),
@@ -303,7 +504,7 @@ def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
             specs += _mlp_specs(f"{m}experts.{j}.", h, mi)
         if arch == "glm4_moe":
             specs += _mlp_specs(m + "shared_experts.", h, mi * cfg["n_shared_experts"])
-        if arch == "qwen3_next":
+        if arch in ("qwen3_next", "qwen3_5_moe"):
             si = cfg["shared_expert_intermediate_size"]
             specs += [
                 (m + "shared_expert.gate_proj.weight", _Spec((si, h), "proj", h)),
@@ -311,7 +512,7 @@ def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
                 (m + "shared_expert.down_proj.weight", _Spec((h, si), "proj", si)),
                 (m + "shared_expert_gate.weight", _Spec((1, h), "gate_scalar", h)),
             ]
-    specs.append(("model.norm.weight", _Spec((h,), "norm0" if gemma_norm else "norm1")))
+    specs.append((prefix + "norm.weight", _Spec((h,), "norm0" if gemma_norm else "norm1")))
     specs.append(("lm_head.weight", _Spec((v, h), "lm_head", h)))
     return specs
 
@@ -398,12 +599,15 @@ def build(
     force: bool = False,
     use_tokenizer_cache: bool = True,
     quant: Optional[str] = None,
+    shape: Optional[str] = None,
 ) -> Path:
     """Write the tiny model for ``arch`` into ``out_dir``; returns the directory.
 
     ``quant`` (None = bf16) writes the checkpoint in a released quantized layout instead
-    (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``qwen3_moe``
-    only). Raises ValueError for an unknown arch or quant, or a quant the arch does not have.
+    (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``"nvfp4"``,
+    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases; ``qwen3_moe`` only). ``shape`` (a key of
+    :data:`SHAPES`) builds a released model's layer sizes instead of the tiny ones. Raises
+    ValueError for an unknown arch, quant or shape, or a quant or shape the arch does not have.
 
     The directory is written next to its final place and renamed into it, so a reader never
     sees half a model. An existing non-empty ``out_dir`` is an error unless ``force``.
@@ -422,7 +626,7 @@ def build(
             raise FileExistsError(f"{out} exists and is not empty (use force=True / --force)")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    cfg = model_config(arch)
+    cfg = model_config(arch, shape)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / "config.json").write_text(_json_text(cfg), encoding="utf-8")
@@ -430,10 +634,15 @@ def build(
             _json_text(generation_config(cfg)), encoding="utf-8"
         )
         tok_mod.write_tokenizer(tmp, MAX_POSITION_EMBEDDINGS, use_cache=use_tokenizer_cache)
+        if arch == "qwen3_5_moe":
+            (tmp / "preprocessor_config.json").write_text(_json_text(QWEN3_5_IMAGE_PROCESSOR))
+            (tmp / "video_preprocessor_config.json").write_text(_json_text(QWEN3_5_VIDEO_PROCESSOR))
         state = make_state_dict(arch, seed, cfg)
         if quant is not None:
-            state, cfg = quantize_state(state, cfg, quant)
+            state, cfg, files = quantize_state(state, cfg, quant)
             (tmp / "config.json").write_text(_json_text(cfg), encoding="utf-8")
+            for fname, obj in files.items():
+                (tmp / fname).write_text(_json_text(obj), encoding="utf-8")
         save_file(
             state,
             str(tmp / "model.safetensors"),
@@ -453,6 +662,6 @@ def build(
     return out
 
 
-def param_count(arch: str) -> int:
-    cfg = model_config(arch)
+def param_count(arch: str, shape: Optional[str] = None) -> int:
+    cfg = model_config(arch, shape)
     return sum(math.prod(s.shape) for _, s in _weight_specs(arch, cfg))

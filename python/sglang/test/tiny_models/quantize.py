@@ -17,13 +17,16 @@
 A block's scale is ``amax(|w|) / 448`` (448 = largest finite e4m3fn), rounded to bfloat16 first
 so that the stored scale is the one the weights were divided by; blocks at the edge of a tensor
 whose size is not a multiple of 128 are partial, as upstream's loader expects (``ceil``).
+
+``nvfp4``: the ModelOpt NVFP4 layout of NVIDIA's releases (nvidia/Qwen3-30B-A3B-FP4), written by
+:mod:`.quantize_nvfp4` (``hf_quant_config.json`` beside an unchanged ``config.json``).
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-QUANTS = ("fp8",)
+QUANTS = ("fp8", "nvfp4")
 FP8_BLOCK = (128, 128)
 FP8_E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
@@ -74,14 +77,22 @@ def block_dequantize_fp8(q, scale_inv, block: Tuple[int, int] = FP8_BLOCK, dtype
     return q.to(dtype) * full
 
 
-def quantize_state(state: Dict[str, object], cfg: dict, quant: str) -> Tuple[Dict, dict]:
-    """``(state, config)`` of the ``quant`` checkpoint made from a bf16 tiny model.
+def quantize_state(
+    state: Dict[str, object], cfg: dict, quant: str
+) -> Tuple[Dict, dict, Dict[str, dict]]:
+    """``(state, config, files)`` of the ``quant`` checkpoint made from a bf16 tiny model;
+    ``files`` are further JSON files of the checkpoint by name (nvfp4: ``hf_quant_config.json``).
 
     Raises:
         ValueError: an unknown ``quant`` (names the supported list).
     """
     if quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose from {QUANTS}")
+    if quant == "nvfp4":
+        from .quantize_nvfp4 import quantize_state_nvfp4
+
+        out, hf_quant = quantize_state_nvfp4(state, cfg)
+        return out, dict(cfg), {"hf_quant_config.json": hf_quant}
     out = dict(state)
     for name in fp8_quantized_names(state):
         q, s = block_quantize_fp8(state[name])
@@ -98,4 +109,4 @@ def quantize_state(state: Dict[str, object], cfg: dict, quant: str) -> Tuple[Dic
         "quant_method": "fp8",
         "weight_block_size": list(FP8_BLOCK),
     }
-    return dict(sorted(out.items())), dict(sorted(cfg.items()))
+    return dict(sorted(out.items())), dict(sorted(cfg.items())), {}

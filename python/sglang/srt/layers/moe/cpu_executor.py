@@ -170,19 +170,55 @@ def fp8_cpu_executor_forward(
         RuntimeError: activations other than bf16 (the layer itself was checked at load by
             :func:`check_fp8_layer`).
     """
-    from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
-
-    if x.dtype != torch.bfloat16:
-        raise RuntimeError(
-            f"block-FP8 MoE on the CPU executor takes bf16 activations, got {x.dtype}"
-        )
     banks = {
         "w13": layer.w13_weight,
         "w2": layer.w2_weight,
         "w13_scale": layer.w13_weight_scale_inv,
         "w2_scale": layer.w2_weight_scale_inv,
     }
-    out = torch.empty(x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32)
+    return _quant_forward("block-FP8", banks, x, topk_output)
+
+
+def nvfp4_cpu_executor_forward(
+    layer: torch.nn.Module, x: torch.Tensor, topk_output, moe_runner_config
+) -> torch.Tensor:
+    """The routed-expert output of one resident ModelOpt NVFP4 MoE layer call on the CPU
+    executor (patch ``0009-modelopt-nvfp4-cpu``: ``ModelOptNvFp4FusedMoEMethod.apply`` on the
+    CPU, where upstream has no NVFP4 kernel). Weight-only: activations stay bf16, the layer's
+    ``w13_input_scale`` / ``w2_input_scale`` are not read.
+
+    Args:
+        layer: a ``FusedMoE`` layer of ``ModelOptNvFp4FusedMoEMethod`` as loaded:
+            ``w13_weight`` ``[E, 2*I, H/2]`` / ``w2_weight`` ``[E, H, I/2]`` uint8 (two e2m1
+            codes per byte), ``w13_weight_scale`` ``[E, 2*I, H/16]`` / ``w2_weight_scale``
+            ``[E, H, I/16]`` float8_e4m3fn, ``w13_weight_scale_2`` ``[E, 2]`` (gate, up) /
+            ``w2_weight_scale_2`` ``[E]`` float32.
+        x, topk_output, moe_runner_config: as :func:`fp8_cpu_executor_forward`.
+
+    Returns:
+        ``[T, H]`` bf16, each weight ``e2m1 * fp8(scale) * global`` in the kernel.
+
+    Raises:
+        RuntimeError: activations other than bf16.
+    """
+    banks = {
+        "w13": layer.w13_weight,
+        "w2": layer.w2_weight,
+        "w13_scale": layer.w13_weight_scale,
+        "w2_scale": layer.w2_weight_scale,
+        "w13_scale_2": layer.w13_weight_scale_2,
+        "w2_scale_2": layer.w2_weight_scale_2,
+    }
+    return _quant_forward("NVFP4", banks, x, topk_output)
+
+
+def _quant_forward(label: str, banks: dict, x: torch.Tensor, topk_output) -> torch.Tensor:
+    """One ``moe_experts_cpu`` call over a resident layer's quantized ``banks``."""
+    from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
+
+    if x.dtype != torch.bfloat16:
+        raise RuntimeError(f"{label} MoE on the CPU executor takes bf16 activations, got {x.dtype}")
+    out = torch.empty(x.shape[0], banks["w2"].shape[1], dtype=torch.float32)
     run_experts_cpu(
         x.contiguous(),
         topk_output[0].to(torch.float32).contiguous(),
@@ -207,4 +243,36 @@ def check_fp8_layer(layer: torch.nn.Module) -> None:
         raise RuntimeError(
             f"block-FP8 MoE on a CPU without AMX runs on the CPU executor, which cannot run "
             f"this layer ({reason}); serve the bf16 checkpoint"
+        )
+
+
+def check_nvfp4_layer(layer: torch.nn.Module) -> None:
+    """At load (patch 0009, ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` on
+    the CPU): raise unless :func:`nvfp4_cpu_executor_forward` can run this layer with every
+    scale loaded, so that the server refuses to start instead of failing a request.
+
+    Raises:
+        ValueError: scales the checkpoint did not have (NaN since ``nvfp4_cpu.prepare_moe``),
+            by checkpoint name.
+        RuntimeError: a layer feature the executor lacks (activation, biases, ...).
+    """
+    from sglang.srt.layers.moe.expert_cache.formats import NVFP4
+    from sglang.srt.layers.moe.expert_cache.loading import missing_scales
+
+    reason = _config_reason(layer, layer.moe_runner_config)
+    if reason is not None:
+        raise RuntimeError(
+            f"NVFP4 MoE on the CPU runs on the CPU executor, which cannot run this layer "
+            f"({reason}); serve the bf16 checkpoint"
+        )
+    h, i = layer.w2_weight.shape[1], layer.w13_weight.shape[1] // 2
+    missing = []
+    for spec in NVFP4.banks(h, i):
+        if "_scale" in spec.name:
+            missing += missing_scales(getattr(layer, spec.layer_param).data, spec, layer.layer_id)
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise ValueError(
+            f"NVFP4 checkpoint without {', '.join(missing[:4])}{more}: every NVFP4 expert "
+            "weight needs its weight_scale and weight_scale_2 (re-export the checkpoint)"
         )

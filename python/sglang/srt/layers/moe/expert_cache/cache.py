@@ -126,6 +126,7 @@ class ExpertSlotCache:
         self.bandwidths: Optional[Bandwidths] = None
         self.fill_ratio = 0.0  # B_P / B_H as the control step uses it (0 without slots)
         self._cuda = None  # cuda_branch.CudaForward on a CUDA device
+        self.prefill_stream = None  # prefill_stream.PrefillStream, set by finalize()
         self._eager_calls = 0  # Python-side layer calls (a graph replay adds none)
         # Rebalances on request (module ``rebalance``): done, failed and rolled back, and the
         # last one's wall time in ms.
@@ -242,6 +243,9 @@ class ExpertSlotCache:
         self.tables.live_slots.fill_(slots)
         self.fills = FillList.allocate(max_fills, self.device)
         self._place_at_load()
+        from sglang.srt.layers.moe.expert_cache.prefill_stream import PrefillStream
+
+        self.prefill_stream = PrefillStream(self, cfg.prefill_stream)
         if on_cuda:
             from sglang.srt.layers.moe.expert_cache.cuda_branch import CudaForward
 
@@ -364,6 +368,7 @@ class ExpertSlotCache:
                 f"(one layer's top-k up to the reserved pool), got {num_slots}"
             )
         step = on_step or (lambda name: None)
+        self.prefill_stream.abandon()  # a streamed pass cut short by a failed forward
         # Dry run: everything that can fail, on copies.
         bandwidths, fill_ratio = self.bandwidths, self.fill_ratio
         if num_slots and not self.num_slots and self.fill_ratio == 0.0:
@@ -487,6 +492,10 @@ class ExpertSlotCache:
         self._eager_calls += 1
         if self._eager_calls % METRICS_EVERY_CALLS == 0:
             self.publish_metrics()
+        # The prefill double buffer (§3.1) takes whole prefill passes; None = not this call.
+        out = self.prefill_stream.forward(layer_id, x, weights, ids, moe_runner_config, scale)
+        if out is not None:
+            return out
         if self._cuda is not None:
             # The fills are copied after the CPU branch forks, so the two run in parallel.
             routing = self.control(layer_id, ids)

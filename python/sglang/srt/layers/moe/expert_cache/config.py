@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.layers.moe.expert_cache.control import MissPolicy
+from sglang.srt.layers.moe.expert_cache.prefill_plan import parse_mode
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class ExpertCacheConfig:
         max_fills: F, the most experts one layer call may fill (the victim candidates the
             single-pass selection finds, paper §4.1); None = the router's top-k x 2.
         record_routing: JSONL path to append every layer call's routing to (None = off).
+        prefill_stream: ``auto``, ``off`` or ``force``: the prefill double buffer
+            (:mod:`prefill_stream`; auto = the cost model of :mod:`prefill_plan` on CUDA, off
+            on a CPU-only machine).
     """
 
     size: CacheSize = CacheSize()
@@ -114,6 +118,7 @@ class ExpertCacheConfig:
     cpu_gbps: Optional[float] = None
     max_fills: Optional[int] = None
     record_routing: Optional[str] = None
+    prefill_stream: str = "auto"
 
     @classmethod
     def from_server_args(cls, moe) -> "ExpertCacheConfig":
@@ -144,6 +149,7 @@ class ExpertCacheConfig:
             cpu_gbps=getattr(moe, "expert_cache_cpu_gbps", None),
             max_fills=max_fills,
             record_routing=getattr(moe, "expert_cache_record_routing", None),
+            prefill_stream=parse_mode(getattr(moe, "expert_cache_prefill_stream", None)),
         )
 
 

@@ -49,6 +49,11 @@ class QuantExpertFormat(ExpertFormat):
     group: int = 0
 
     @property
+    def quantized(self) -> bool:
+        """Always: the weights carry scale banks (the activations stay bf16)."""
+        return True
+
+    @property
     def executor_format(self) -> str:
         return self.name
 
@@ -115,6 +120,32 @@ class QuantExpertFormat(ExpertFormat):
                 )
             out[s.name] = getattr(layer, s.layer_param).data
         return out
+
+    def check_layer(self, layer, num_experts: int, hidden_size: int, intermediate_size: int):
+        """Raise unless the per-expert tensors a quant method's ``create_weights`` put on
+        ``layer`` (shapes and dtypes read from the parameters, which may be on the meta device)
+        are exactly this format's banks.
+
+        Raises:
+            ValueError: a tensor missing, extra, or of another shape or dtype; names them.
+        """
+        from sglang.srt.layers.moe.paged_experts.formats import expert_params
+
+        specs = {s.layer_param: s for s in self.banks(hidden_size, intermediate_size)}
+        names = expert_params(layer, num_experts)
+        problems = [f"no {n}" for n in specs if n not in names]
+        problems += [f"unexpected per-expert {n}" for n in names if n not in specs]
+        for n in set(names) & set(specs):
+            p, s = getattr(layer, n), specs[n]
+            if tuple(p.shape[1:]) != s.row_shape or p.dtype != s.dtype:
+                problems.append(
+                    f"{n} is {p.dtype} {tuple(p.shape[1:])} per expert, not {s.dtype} {s.row_shape}"
+                )
+        if problems:
+            raise ValueError(
+                f"--enable-expert-cache: the {self.label} method's per-expert tensors do not "
+                f"match the {self.label} banks: {'; '.join(sorted(problems))}"
+            )
 
     # ---- float64 references ------------------------------------------------------------
     def dequantize(self, t: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +255,8 @@ def _quant_fp8(w: torch.Tensor):
 
 
 def _e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 code of x (|x| <= 6), ties to the even code."""
+    """Nearest e2m1 code of x (|x| <= 6); a tie goes to the lower code (argmin keeps the first),
+    e.g. 0.75 -> 0.5. Test weights only need some valid code: dequantization is exact."""
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     mag = (x.abs()[..., None] - lut).abs().argmin(-1)
     return (mag | torch.where(x < 0, 8, 0)).to(torch.uint8)

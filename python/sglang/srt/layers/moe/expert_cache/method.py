@@ -111,8 +111,18 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 with_bias=False,
                 **extra_weight_attrs,
             )
-        found = format_from_layer(layer, num_experts, self.label, self.weight_block_size)
-        fmt = found if found.quantized else format_for_dtype(found.dtype)
+        if self.label in QUANT_FORMATS_BY_LABEL:  # described by formats.py (nvfp4)
+            from sglang.srt.layers.moe.expert_cache.formats import QUANT_FORMATS
+
+            fmt = QUANT_FORMATS[QUANT_FORMATS_BY_LABEL[self.label]]
+            fmt.check_layer(layer, num_experts, hidden_size, intermediate_size_per_partition)
+            # FusedMoE.weight_loader follows the base method's layout (as for paged experts):
+            # ModelOpt's per-tensor scales load by column (gate, up), not as blocks.
+            layer.weight_load_method = self.base_method
+            _materialize_other_params(layer, fmt, hidden_size, intermediate_size_per_partition)
+        else:
+            found = format_from_layer(layer, num_experts, self.label, self.weight_block_size)
+            fmt = found if found.quantized else format_for_dtype(found.dtype)
         if _CACHE is None:
             from sglang.srt.layers.moe.expert_cache.cache import ExpertSlotCache
 
@@ -141,13 +151,17 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         for spec in self.cache.host.specs:
             meta = getattr(layer, spec.layer_param)
             rows = self.cache.host_rows(spec.name, self.layer_id)
-            if spec.name.endswith("_scale"):
+            if "_scale" in spec.name:
                 rows.fill_(float("nan"))  # unloaded scales stay NaN (loading.missing_scales)
             param = torch.nn.Parameter(rows, requires_grad=False)
             param.__dict__.update(meta.__dict__)  # weight_loader and the method's attributes
-            if fmt.quantized and hasattr(param, "weight_loader"):
-                param.weight_loader = checked_loader(
-                    meta.weight_loader, spec, self.layer_id, fmt.label
+            # (ModelOpt's parameters keep their loader behind a property: copied as an attribute)
+            loader = getattr(meta, "weight_loader", None)
+            if loader is not None:
+                param.weight_loader = (
+                    checked_loader(loader, spec, self.layer_id, fmt.label)
+                    if fmt.quantized
+                    else loader
                 )
             layer.register_parameter(spec.layer_param, param)
 
@@ -165,14 +179,17 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
         missing = []
         for spec in self.cache.host.specs:
-            if spec.name.endswith("_scale"):
+            if "_scale" in spec.name:
                 rows = self.cache.host_rows(spec.name, self.layer_id)
                 missing += missing_scales(rows, spec, self.layer_id)
         if missing:
             more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            scales = {"nvfp4": "weight_scale and weight_scale_2"}.get(
+                self.label, "weight_scale_inv"
+            )
             raise ValueError(
-                f"{self.label} checkpoint without {', '.join(missing[:4])}{more}: every FP8 "
-                "expert weight needs its weight_scale_inv (re-export the checkpoint)"
+                f"{self.label} checkpoint without {', '.join(missing[:4])}{more}: every "
+                f"{self.label} expert weight needs its {scales} (re-export the checkpoint)"
             )
         self.cache.finalize()
 
@@ -246,13 +263,40 @@ def shared_experts_fusion_disable_reason() -> Optional[str]:
 
 
 # upstream paged_experts.formats label -> ours, for the formats the host pool holds.
-SUPPORTED_FORMATS = {"unquantized (bf16/fp16)": "bf16", "block-quantized FP8": "fp8-block"}
+SUPPORTED_FORMATS = {
+    "unquantized (bf16/fp16)": "bf16",
+    "block-quantized FP8": "fp8-block",
+    "ModelOpt NVFP4": "nvfp4",
+}
+# our label -> the ``formats.QUANT_FORMATS`` entry whose banks it has (formats whose banks
+# follow from H and I rather than from the layer's parameters).
+QUANT_FORMATS_BY_LABEL = {"nvfp4": "nvfp4"}
+
+
+def _materialize_other_params(layer, fmt, hidden_size: int, intermediate_size: int) -> None:
+    """Give the layer's parameters that are not banks (ModelOpt's ``w13_input_scale`` [E, 2]
+    and ``w2_input_scale`` [E], sized for all experts) real host storage in place of the meta
+    tensors ``create_weights`` made, filled with 1.0 (upstream's default for an input scale the
+    checkpoint lacks). The cache never reads them: its experts run weight-only on bf16
+    activations."""
+    banks = {s.layer_param for s in fmt.banks(hidden_size, intermediate_size)}
+    for name, meta in list(layer.named_parameters(recurse=False)):
+        if name in banks or meta.device.type != "meta":
+            continue
+        param = torch.nn.Parameter(
+            torch.ones(meta.shape, dtype=meta.dtype, device="cpu"), requires_grad=False
+        )
+        param.__dict__.update(meta.__dict__)
+        if getattr(meta, "weight_loader", None) is not None:  # behind a property on ModelOpt's
+            param.weight_loader = meta.weight_loader
+        layer.register_parameter(name, param)
 
 
 def expert_format_of(base_method, layer=None):
     """``(label, weight_block_size)`` of the experts ``base_method`` creates, as upstream's
     paged experts classifies methods (``paged_experts.formats.format_for``): ``("bf16",
-    None)`` or ``("fp8-block", (128, 128))`` (the checkpoint's ``weight_block_size``).
+    None)``, ``("fp8-block", (128, 128))`` (the checkpoint's ``weight_block_size``) or
+    ``("nvfp4", None)`` (ModelOpt NVFP4, groups of 16 along K).
 
     Raises:
         ValueError: a format the host pool does not hold; names it and the supported list.
@@ -268,7 +312,7 @@ def expert_format_of(base_method, layer=None):
             "the bf16 checkpoint or drop --enable-expert-cache (the host pool holds "
             f"{' and '.join(SUPPORTED_FORMATS.values())} experts)"
         )
-    if label == "bf16":
+    if label in ("bf16", "nvfp4"):
         return label, None
     return label, tuple(base_method.quant_config.weight_block_size)
 
@@ -299,9 +343,15 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
             "--enable-paged-experts and --enable-expert-cache exclude each other (drop one)"
         )
     try:
-        expert_format_of(base_method, layer)
+        label, _ = expert_format_of(base_method, layer)
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
+        label = None
+    if label == "nvfp4" and get_device().device != "cpu":
+        problems.append(
+            "NVFP4 experts in GPU slots are not supported yet (no slot-indexed NVFP4 kernel): "
+            "serve them on the CPU (--device cpu) or drop --enable-expert-cache"
+        )
     cfg = layer.moe_runner_config
     if cfg.activation != "silu" or not cfg.is_gated:
         problems.append(

@@ -21,12 +21,10 @@ from typing import Optional
 import torch
 
 
-def current_phase(num_tokens: int) -> str:
-    """``decode`` or ``prefill`` for the batch being run.
-
-    Read from the forward batch published in SGLang's forward context (its MoE padding
-    getter is a bound method of the batch); outside a server forward, a call of one token is
-    taken as decode."""
+def forward_phase() -> Optional[str]:
+    """``decode`` or ``prefill`` (extend or mixed) for the batch of the server forward being
+    run, read from the forward batch published in SGLang's forward context (its MoE padding
+    getter is a bound method of the batch); None outside a server forward."""
     try:
         from sglang.srt.model_executor.forward_context import (
             get_forward_context,
@@ -40,7 +38,13 @@ def current_phase(num_tokens: int) -> str:
                 return "decode" if mode.is_decode() else "prefill"
     except ImportError:
         pass
-    return "decode" if num_tokens == 1 else "prefill"
+    return None
+
+
+def current_phase(num_tokens: int) -> str:
+    """:func:`forward_phase`; outside a server forward, a call of one token is taken as
+    decode."""
+    return forward_phase() or ("decode" if num_tokens == 1 else "prefill")
 
 
 class RoutingRecorder:

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""torch.profiler breakdown of the CPU decode step on the Qwen3-30B-A3B slice (issue 18).
+
+Starts the server of one ``benchmark/cpu_decode.py`` variant (default ``fork``), streams a long
+greedy generation and, once it decodes, asks the server's ``/start_profile`` for ``--steps``
+forward steps (CPU activity, no stacks, no shapes: the profiler's own cost stays small). The
+Chrome trace it writes is read back: on the scheduler's thread (the one with the most ops),
+each top-level torch op (not inside another op) is charged its whole duration, grouped by name;
+what the step spends outside any op (Python, the scheduler) is the step's wall time minus the
+sum. Printed per step, largest first, then last::
+
+    cpu_decode_profile variant=fork step_ms=... ops_ms=... outside_ops_ms=... ops_per_step=...
+    top=<name>:<ms>,...
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import requests
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "test" / "e2e"))
+sys.path.insert(0, str(REPO / "benchmark"))
+from cpu_decode import MODEL, SERVER_ARGS, VARIANTS, ensure_model  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--variant", default="fork", choices=list(VARIANTS))
+    p.add_argument("--model-path", type=Path, default=MODEL)
+    p.add_argument("--steps", type=int, default=8, help="decode steps profiled")
+    p.add_argument("--top", type=int, default=25, help="op names printed")
+    return p.parse_args(argv)
+
+
+def breakdown(trace: dict, steps: int) -> tuple[float, dict[str, list[float]], int]:
+    """(window ms, {op name: [ms, count]} of top-level ops, op count) on the busiest thread."""
+    by_tid = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            by_tid[(e["pid"], e["tid"])].append(e)
+    events = max(by_tid.values(), key=len)
+    events.sort(key=lambda e: (e["ts"], -e["dur"]))
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    end_top = -1.0
+    n = 0
+    for e in events:
+        if e["ts"] >= end_top:  # not inside the previous top-level op
+            per_name[e["name"]][0] += e["dur"] / 1e3
+            per_name[e["name"]][1] += 1
+            end_top = e["ts"] + e["dur"]
+            n += 1
+    window = (max(e["ts"] + e["dur"] for e in events) - events[0]["ts"]) / 1e3
+    return window, per_name, n
+
+
+def main(argv=None) -> int:
+    import server  # test/e2e/server.py
+
+    args = parse_args(argv)
+    model = ensure_model(args.model_path)
+    out = Path(tempfile.mkdtemp(prefix="cpu-decode-profile-"))
+    srv = server.start_server(model, SERVER_ARGS, env=VARIANTS[args.variant])
+    try:
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(10, 30000, (64,), generator=g).tolist()
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 40 * args.steps + 64},
+        }
+        gen = threading.Thread(
+            target=requests.post, args=(srv.url + "/generate",), kwargs={"json": body}
+        )
+        gen.start()
+        time.sleep(3.0)  # past the prefill, decoding
+        r = requests.post(
+            srv.url + "/start_profile",
+            json={
+                "output_dir": str(out),
+                "num_steps": args.steps,
+                "activities": ["CPU"],
+                "with_stack": False,
+                "record_shapes": False,
+            },
+            timeout=600,
+        )
+        r.raise_for_status()
+        gen.join()
+    finally:
+        srv.stop()
+    traces = sorted(out.glob("*.trace.json.gz"))
+    if not traces:
+        raise RuntimeError(f"no trace written to {out}")
+    with gzip.open(traces[-1], "rt") as f:
+        window, per_name, n = breakdown(json.load(f), args.steps)
+    step = window / args.steps
+    ops = sum(v[0] for v in per_name.values()) / args.steps
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    print(f"{traces[-1]}: {args.steps} steps, {step:.2f} ms per step")
+    for name, (ms, cnt) in rows[: args.top]:
+        print(f"  {ms / args.steps:7.3f} ms  {cnt / args.steps:6.1f}x  {name}")
+    top = ",".join(f"{k}:{v[0] / args.steps:.2f}" for k, v in rows[:6])
+    print(
+        f"cpu_decode_profile variant={args.variant} step_ms={step:.2f} ops_ms={ops:.2f} "
+        f"outside_ops_ms={step - ops:.2f} ops_per_step={n / args.steps:.0f} top={top}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
