@@ -14,10 +14,20 @@ STAMP="$DIR/.pinned"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "${PKGS[*]}" ]]; then
   echo "$DIR/node_modules/.bin"; exit 0
 fi
-command -v npm >/dev/null || { echo "install_agents: npm is needed (any Node >= 18)" >&2; exit 1; }
+NEEDED="the agent-client e2e tests (test/e2e/test_endpoints_agent_clients.py, part of make test)
+  need them; SGLANG_TEST_SKIP_AGENTS=1 skips those tests instead"
+command -v npm >/dev/null || {
+  echo "install_agents: npm is needed (any Node >= 18) to install ${PKGS[*]}: $NEEDED" >&2
+  exit 1
+}
+fail() {
+  echo "install_agents: npm could not install $1 from $(npm config get registry) (no network," \
+    "or the registry unreachable? npm's error is above): $NEEDED" >&2
+  exit 1
+}
 mkdir -p "$DIR"
-npm install --prefix "$DIR" --no-audit --no-fund "$NODE" >&2
+npm install --prefix "$DIR" --no-audit --no-fund "$NODE" >&2 || fail "$NODE"
 PATH="$DIR/node_modules/.bin:$PATH" \
-  npm install --prefix "$DIR" --no-audit --no-fund "${PKGS[@]}" >&2
+  npm install --prefix "$DIR" --no-audit --no-fund "${PKGS[@]}" >&2 || fail "${CLIENTS[*]}"
 echo "${PKGS[*]}" > "$STAMP"
 echo "$DIR/node_modules/.bin"

@@ -56,6 +56,7 @@ BAD_JSON = '{"model": "default", "messages": ['
 CTX = str(SMALL_CONTEXT)
 TOO_LONG = "is longer than the model's context length (2048 tokens)"
 assert CTX in TOO_LONG
+EMPTY = "The input is empty (0 tokens)"
 ANTH_TOO_LONG = ["prompt is too long: ", f" tokens > {CTX} maximum"]
 
 
@@ -280,6 +281,80 @@ CASES = [
         "/v1/completions",
         {"model": "default", "prompt": LONG_TEXT, "max_tokens": 4},
         [TOO_LONG],
+    ),
+    # --- found by test_endpoints_fuzz.py ---
+    # an empty prompt reached the scheduler and killed it (patch 0071); upstream already
+    # refuses "input_ids": [] and an empty /v1/completions prompt
+    (
+        "generate-empty-text",
+        "/generate",
+        {"text": "", "sampling_params": {"max_new_tokens": 1}},
+        [EMPTY],
+    ),
+    (
+        "generate-empty-text-in-batch",
+        "/generate",
+        {"text": ["a", ""], "sampling_params": {"max_new_tokens": 1}},
+        [EMPTY],
+    ),
+    ("generate-empty-input-ids-in-batch", "/generate", {"input_ids": [[]]}, [EMPTY]),
+    # an id outside the vocabulary failed the embedding lookup and killed the server (0071)
+    (
+        "completions-prompt-id-negative",
+        "/v1/completions",
+        {"model": "default", "prompt": [956, -1], "max_tokens": 1},
+        ["out-of-vocabulary token id -1 at position 1"],
+    ),
+    (
+        "generate-input-id-beyond-vocab",
+        "/generate",
+        {"input_ids": [1, 2**31], "sampling_params": {"max_new_tokens": 1}},
+        [f"out-of-vocabulary token id {2**31} at position 1"],
+    ),
+    # an out-of-vocabulary stop id with min_tokens killed the server (patch 0074)
+    (
+        "completions-stop-token-id-beyond-vocab",
+        "/v1/completions",
+        {
+            "model": "default",
+            "prompt": "hi",
+            "max_tokens": 4,
+            "min_tokens": 2,
+            "stop_token_ids": [0, 2**53 + 1],
+        },
+        [f"stop_token_ids contains out-of-vocabulary token id {2**53 + 1}"],
+    ),
+    # a sampling_params list unlike the prompts: 500 (patch 0073)
+    (
+        "generate-sampling-params-list-single-prompt",
+        "/generate",
+        {"text": " ", "sampling_params": [{"max_new_tokens": 1}]},
+        ["sampling_params: a single prompt takes one object, not a list of 1"],
+    ),
+    (
+        "generate-sampling-params-empty-list",
+        "/generate",
+        {"text": ["a"], "sampling_params": []},
+        ["sampling_params: a list of 0 for a batch of 1 prompts"],
+    ),
+    (
+        "generate-sampling-params-short-list",
+        "/generate",
+        {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]},
+        ["sampling_params: a list of 1 for a batch of 2 prompts"],
+    ),
+    # a "before" validator read the field as a dict: 500 (patch 0072)
+    (
+        "chat-response-format-bool",
+        CHAT,
+        chat_body(response_format=True),
+        ["response_format", "Input should be a valid dictionary"],
+    ),
+    (
+        "chat-response-format-list",
+        CHAT,
+        chat_body(response_format=[1]),
+        ["response_format", "Input should be a valid dictionary"],
     ),
 ]
 CASE_BY_ID = {c[0]: c for c in CASES}
