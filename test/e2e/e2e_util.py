@@ -268,3 +268,54 @@ def assert_as_accurate_as_torch_loop(
     assert cache.mean() <= MEAN_SLACK * loop.mean(), figures
     assert p95(cache) <= P95_SLACK * p95(loop), figures
     assert cache.max() <= MAX_SLACK * loop.max(), figures
+
+
+# Expert-cache server configurations shared by the per-model e2e files (test_expert_cache_*.py):
+# B_P / B_H fixed so the q* split does not depend on a startup measurement.
+CACHE_BANDWIDTHS = ("--expert-cache-fill-gbps", "10", "--expert-cache-cpu-gbps", "20")
+CACHE_RESIDENT = (
+    "--enable-expert-cache",
+    "--expert-cache-size",
+    "100%",
+    "--expert-cache-policy",
+    "fill",
+    *CACHE_BANDWIDTHS,
+)
+CACHE_SLOTS8 = (
+    "--enable-expert-cache",
+    "--expert-cache-size",
+    "8",
+    "--expert-cache-policy",
+    "qstar",
+    *CACHE_BANDWIDTHS,
+    "--enable-metrics",
+)
+TORCH_LOOP_ENV = {"SGLANG_CPU_MOE_BACKEND": "native"}  # upstream's per-expert torch MoE loop
+
+
+def results_fixture(arch: str, configs: dict, new_tokens: int = 16):
+    """A pytest fixture ``results`` for ``arch``: ``results(name)`` is the output of
+    :func:`greedy_with_logprobs` on :func:`random_prompts` from the pooled server of
+    ``configs[name] = (extra launch flags, env or None)``, measured once per test session;
+    ``results(name + "_log")`` is that server's log text and ``results(name + "_metrics")``
+    its :func:`expert_cache_counters` (for configurations with ``--enable-metrics``)."""
+    import pytest
+
+    store: dict = {}
+
+    @pytest.fixture
+    def results(server_pool):
+        def get(name: str):
+            if name not in store:
+                base = name.removesuffix("_log").removesuffix("_metrics")
+                extra, env = configs[base]
+                srv = server_pool.get(arch, extra, env=env)
+                store[base] = greedy_with_logprobs(srv.url, random_prompts(), new_tokens)
+                store[base + "_log"] = srv.log.read_text(errors="replace")
+                if "--enable-metrics" in extra:
+                    store[base + "_metrics"] = expert_cache_counters(srv.url)
+            return store[name]
+
+        return get
+
+    return results

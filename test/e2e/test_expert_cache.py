@@ -63,14 +63,15 @@ CONFIGS = {
     "qwen3_moe": [
         ("--expert-cache-size", "8", "--expert-cache-policy", "fill"),
         ("--expert-cache-size", "25%", "--expert-cache-policy", "cpu"),
-        ("--expert-cache-size", "8", "--expert-cache-policy", "qstar"),
         # the prefill double buffer forced on (256 slots: two layers of 64 borrowed per pass)
         PREFILL_STREAM,
+        ("--expert-cache-size", "8", "--expert-cache-policy", "qstar"),  # METRICS_CONFIG: last
     ],
 }
-# The metrics test runs on the last server of test_cache_equals_all_resident, the qwen3_moe
-# 8-slot qstar one, so no server starts for it (the metrics flags change no output).
+# The metrics and rebalance tests run on the last server of test_cache_equals_all_resident, the
+# qwen3_moe 8-slot qstar one, so no server starts for them (the metrics flags change no output).
 METRICS_CONFIG = ("qwen3_moe", CONFIGS["qwen3_moe"][-1])
+assert METRICS_CONFIG[1] == ("--expert-cache-size", "8", "--expert-cache-policy", "qstar")
 METRICS_ARGS = ("--enable-metrics", "--decode-log-interval", "1")
 # Fixed B_P / B_H so the qstar split is the same on every machine (0.5: half the misses
 # filled); the startup measurement has its own unit test.

@@ -23,50 +23,17 @@ so ``e2e_util.assert_as_accurate_as_torch_loop`` does not apply.
 
 from __future__ import annotations
 
-import pytest
 from e2e_util import (
+    CACHE_SLOTS8,
     assert_identical_outputs,
     assert_split_happened,
-    expert_cache_counters,
-    greedy_with_logprobs,
-    random_prompts,
+    results_fixture,
 )
 
 ARCH = "qwen3_moe_fp8"
 NEW_TOKENS = 16
-SLOTS8 = (
-    "--enable-expert-cache",
-    "--expert-cache-size",
-    "8",
-    "--expert-cache-policy",
-    "qstar",
-    "--expert-cache-fill-gbps",
-    "10",
-    "--expert-cache-cpu-gbps",
-    "20",
-    "--enable-metrics",
-)
-
-
-_RESULTS: dict = {}
-
-
-@pytest.fixture
-def results(server_pool):
-    """``results(name)``: outputs of ``"stock"`` (with its log under ``"stock_log"``) or
-    ``"slots8"`` (its counters under ``"slots8_metrics"``), measured once per run."""
-
-    def get(name: str):
-        if name not in _RESULTS:
-            srv = server_pool.get(ARCH, SLOTS8 if name == "slots8" else ())
-            _RESULTS[name] = greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
-            if name == "stock":
-                _RESULTS["stock_log"] = srv.log.read_text(errors="replace")
-            else:
-                _RESULTS["slots8_metrics"] = expert_cache_counters(srv.url)
-        return _RESULTS[name]
-
-    return get
+# "stock": no cache; "slots8": one layer's top-k with qstar (its counters: "slots8_metrics")
+results = results_fixture(ARCH, {"stock": ((), None), "slots8": (CACHE_SLOTS8, None)}, NEW_TOKENS)
 
 
 def test_fp8_serves_without_the_cache(results):

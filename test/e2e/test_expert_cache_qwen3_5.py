@@ -20,59 +20,31 @@ the all-resident server's input logprobs against transformers in float32 within 
 
 from __future__ import annotations
 
-import pytest
 from conftest import model_path
 from e2e_util import (
+    CACHE_RESIDENT,
+    CACHE_SLOTS8,
+    TORCH_LOOP_ENV,
     assert_as_accurate_as_torch_loop,
     assert_identical_outputs,
     assert_split_happened,
-    expert_cache_counters,
-    greedy_with_logprobs,
     random_prompts,
+    results_fixture,
 )
 
 ARCH = "qwen3_5_moe"
 NEW_TOKENS = 16
-NATIVE = {"SGLANG_CPU_MOE_BACKEND": "native"}
-BANDWIDTHS = ("--expert-cache-fill-gbps", "10", "--expert-cache-cpu-gbps", "20")
-RESIDENT = (
-    "--enable-expert-cache",
-    "--expert-cache-size",
-    "100%",
-    "--expert-cache-policy",
-    "fill",
-    *BANDWIDTHS,
+# "resident": all experts in slots; "slots8": one layer's top-k with qstar (its counters:
+# "slots8_metrics"); "native": no cache, upstream's torch MoE loop
+results = results_fixture(
+    ARCH,
+    {
+        "resident": (CACHE_RESIDENT, None),
+        "slots8": (CACHE_SLOTS8, None),
+        "native": ((), TORCH_LOOP_ENV),
+    },
+    NEW_TOKENS,
 )
-SLOTS8 = (
-    "--enable-expert-cache",
-    "--expert-cache-size",
-    "8",
-    "--expert-cache-policy",
-    "qstar",
-    *BANDWIDTHS,
-    "--enable-metrics",
-)
-
-_RESULTS: dict = {}
-
-
-@pytest.fixture
-def results(server_pool):
-    """``results(name)``: the outputs of ``"resident"``, ``"slots8"`` (its expert-cache counters
-    under ``"slots8_metrics"``) or ``"native"``, measured once per run."""
-
-    def get(name: str):
-        if name not in _RESULTS:
-            if name == "native":
-                srv = server_pool.get(ARCH, env=NATIVE)
-            else:
-                srv = server_pool.get(ARCH, RESIDENT if name == "resident" else SLOTS8)
-            _RESULTS[name] = greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
-            if name == "slots8":
-                _RESULTS["slots8_metrics"] = expert_cache_counters(srv.url)
-        return _RESULTS[name]
-
-    return get
 
 
 def test_all_resident_as_accurate_as_upstream_moe(results):
@@ -92,7 +64,7 @@ def test_image_request_refused_when_served_text_only(server_pool):
     image part is a 400 that says so, and the server keeps serving."""
     import requests
 
-    srv = server_pool.get(ARCH, RESIDENT)
+    srv = server_pool.get(ARCH, CACHE_RESIDENT)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     body = {
         "model": "default",
