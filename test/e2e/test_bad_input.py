@@ -324,6 +324,17 @@ CASES = [
         },
         [f"stop_token_ids contains out-of-vocabulary token id {2**53 + 1}"],
     ),
+    # a tiny repetition penalty overflowed the logits it divides, NaN probabilities killed the
+    # server (patch 0076; the fuzz test's body)
+    (
+        "generate-repetition-penalty-overflows",
+        "/generate",
+        {
+            "text": "hi",
+            "sampling_params": {"repetition_penalty": 6.1e-177, "top_k": 31, "max_new_tokens": 5},
+        },
+        ["repetition_penalty must be in [1e-06, 2]"],
+    ),
     # a sampling_params list unlike the prompts: 500 (patch 0073)
     (
         "generate-sampling-params-list-single-prompt",

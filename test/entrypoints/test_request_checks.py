@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sglang.srt.managers.prompt_ids import EMPTY_INPUT, check_prompt_ids
 from sglang.srt.managers.sampling_params_shape import check_sampling_params_shape
+from sglang.srt.sampling.penalty_floor import MIN_REPETITION_PENALTY, check_repetition_penalty
 from sglang.srt.sampling.stop_token_ids import check_stop_token_ids
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -72,3 +73,11 @@ def test_guard_leaves_good_and_plainly_bad_bodies_alone():
     assert e.value.errors()[0]["loc"][0] == "messages"
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", "response_format": 1})
+
+
+def test_repetition_penalty_floor():
+    for ok in (MIN_REPETITION_PENALTY, 0.5, 1.0, 2.0):
+        check_repetition_penalty(ok)
+    for bad in (6.1e-177, 1e-7, 0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be in \[1e-06, 2\]"):
+            check_repetition_penalty(bad)
