@@ -9,9 +9,12 @@ either a value of the field's own type (a small one: generation stays at a few t
 surrogate), and a required field is sometimes left out. Tools come with good and bad JSON
 schemas and tool choices that name tools the request does not have.
 
-Left out on purpose: ``custom_logit_processor`` / ``custom_params`` (a serialized callable that
-the server runs when started with ``--enable-custom-logit-processor``, as the e2e servers are;
-a bad one is the caller's own code failing), multimodal data, LoRA and disaggregation fields.
+The fields of features the test server does not serve are sent too: ``custom_logit_processor``
+strings that are not a serialized processor and upstream's ``DisallowedTokensLogitsProcessor``
+with good or bad ``custom_params`` (the server runs with ``--enable-custom-logit-processor``;
+patches 0077 and 0079), LoRA adapters it does not have, and image / audio / video data for a
+text-only model. Left out: disaggregation fields (bootstrap host and room: a request would wait
+for a prefill server that does not exist).
 
 Numbers that would make a valid request long (``max_tokens``, ``n``, ``best_of``) are small in
 their valid form; their huge forms are in :data:`junk`, where the server must refuse them or
@@ -21,6 +24,8 @@ clip them to the context.
 from __future__ import annotations
 
 from hypothesis import strategies as st
+
+from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/generate")
 
@@ -158,6 +163,26 @@ response_format = maybe_junk(
     )
 )
 
+# Features the test server does not serve (a text-only model without LoRA), and custom logit
+# processors: strings that are not a serialized processor, and upstream's own processor whose
+# custom_params ({"token_ids": [...]}) may be missing or junk, which makes it fail at run time.
+DISALLOWED_TOKENS = DisallowedTokensLogitsProcessor.to_str()
+custom_logit_processor = maybe_junk(
+    st.sampled_from(
+        ["", "abc", "{}", "[1]", '{"callable": 5}', '{"callable": "zz"}', DISALLOWED_TOKENS]
+    )
+)
+custom_params = maybe_junk(
+    st.one_of(
+        st.fixed_dictionaries({"token_ids": maybe_junk(token_ids)}),
+        st.dictionaries(odd_text, junk_value, max_size=2),
+    )
+)
+lora_path = maybe_junk(st.sampled_from(["nope", "", "../adapter"]))
+media = maybe_junk(
+    st.sampled_from(["http://127.0.0.1:9/x.png", "data:image/png;base64,AAAA", "AAAA", ""])
+)
+
 # --- /v1/chat/completions -----------------------------------------------------------------
 
 # A clean body's messages: user turns of odd text (the shape both chat routes accept, so clean
@@ -204,7 +229,7 @@ chat_message = st.fixed_dictionaries(
 )
 chat = body(
     {
-        "model": maybe_junk(st.just("default"), 8),
+        "model": maybe_junk(st.sampled_from(["default", "default", "default:nope"]), 8),
         "messages": clean_body.flatmap(
             lambda c: (
                 st.lists(user_turn, min_size=1, max_size=2)
@@ -255,6 +280,9 @@ chat = body(
         ),
         "reasoning_effort": maybe_junk(st.sampled_from(["low", "medium", "high", "nope"])),
         "user": maybe_junk(odd_text),
+        "custom_logit_processor": custom_logit_processor,
+        "custom_params": custom_params,
+        "lora_path": lora_path,
     },
     {"max_tokens": small_tokens},
 )
@@ -424,6 +452,7 @@ sampling_params = st.fixed_dictionaries(
         "json_schema": maybe_junk(st.sampled_from(['{"type": "object"}', "{", '{"type": 1}'])),
         "ebnf": maybe_junk(st.sampled_from(['root ::= "a"', "root ::= ", "nope"])),
         "skip_special_tokens": maybe_junk(st.booleans()),
+        "custom_params": custom_params,
         "nope": junk,
     },
 )
@@ -437,6 +466,11 @@ generate = st.one_of(
             "logprob_start_len": maybe_junk(st.integers(min_value=-1, max_value=4)),
             "return_text_in_logprobs": maybe_junk(st.booleans()),
             "rid": maybe_junk(odd_text),
+            "custom_logit_processor": custom_logit_processor,
+            "lora_path": lora_path,
+            "image_data": media,
+            "audio_data": media,
+            "video_data": media,
         },
         {"sampling_params": st.one_of(sampling_params, st.lists(sampling_params, max_size=3))},
     ),

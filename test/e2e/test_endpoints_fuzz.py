@@ -12,6 +12,10 @@ body:
 * the server process stays alive, and its log shows no exception but upstream's logged
   ``ValueError`` refusals (a 4xx refused late can still raise in a task after the answer).
 
+``test_custom_logit_processor_faults`` sends processors that deserialize but fail when the
+scheduler runs them (patch 0079): each request is a 400 naming the fault, the others in the
+same batches finish normally.
+
 Meanwhile another connection streams chat completions back to back
 (:class:`BackgroundStreams`): each must end intact, ``finish_reason`` ``length`` after exactly
 its ``max_tokens``, usage, ``[DONE]``.
@@ -34,6 +38,11 @@ from collections import Counter
 import fuzz_requests
 import requests
 from hypothesis import HealthCheck, Phase, given, seed, settings
+
+from sglang.srt.sampling.custom_logit_processor import (
+    CustomLogitProcessor,
+    DisallowedTokensLogitsProcessor,
+)
 
 MAX_EXAMPLES = 1000
 BUDGET_S = 75
@@ -208,3 +217,82 @@ def test_fuzz_generation_routes(server):
         timeout=REQUEST_TIMEOUT_S,
     )
     assert r.status_code == 200, r.text
+
+
+# Processors that fail when the scheduler runs them. dill pickles a class of an importable
+# module by reference (the server cannot import this one) and a class of __main__ by value,
+# with its functions' globals: so they are made in a small namespace named __main__.
+_FAULTY_SRC = """
+class NaNLogits(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        return logits * float("nan")
+
+class MaskEveryToken(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        return logits.fill_(float("-inf"))
+
+class WrongShape(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        return logits[:, :1]
+"""
+FAULTY = {"__name__": "__main__", "CustomLogitProcessor": CustomLogitProcessor}
+exec(_FAULTY_SRC, FAULTY)
+
+
+def test_custom_logit_processor_faults(server):
+    """A processor that fails at run time is a 400 for its request, never a dead server."""
+    url = server.url
+    disallowed = DisallowedTokensLogitsProcessor.to_str()
+    cases = [
+        ({}, disallowed, "DisallowedTokensLogitsProcessor raised TypeError"),  # no custom_params
+        (
+            {"custom_params": {"token_ids": "x"}},
+            disallowed,
+            "DisallowedTokensLogitsProcessor raised",
+        ),
+        ({}, FAULTY["NaNLogits"].to_str(), "NaNLogits returned NaN or +inf logits"),
+        (
+            {},
+            FAULTY["MaskEveryToken"].to_str(),
+            "MaskEveryToken returned a row without any finite logit",
+        ),
+        ({}, FAULTY["WrongShape"].to_str(), "WrongShape returned shape"),
+    ]
+    with BackgroundStreams(url) as streams:
+        for params, processor, message in cases:
+            for route, body in (
+                (
+                    "/generate",
+                    {
+                        "text": "Hi",
+                        "sampling_params": {"max_new_tokens": 4, **params},
+                        "custom_logit_processor": processor,
+                    },
+                ),
+                (
+                    "/v1/chat/completions",
+                    {
+                        "model": "default",
+                        "messages": [{"role": "user", "content": "Hi"}],
+                        "max_tokens": 4,
+                        **params,
+                        "custom_logit_processor": processor,
+                    },
+                ),
+            ):
+                r = requests.post(url + route, json=body, timeout=REQUEST_TIMEOUT_S)
+                assert r.status_code == 400, (route, message, r.status_code, r.text[:500])
+                assert message in error_message(r.json()), (route, r.text[:500])
+                assert server.proc.poll() is None, server.log_tail(40)
+        # the processor itself works when its parameters are right
+        r = requests.post(
+            url + "/generate",
+            json={
+                "text": "Hi",
+                "sampling_params": {"max_new_tokens": 4, "custom_params": {"token_ids": [1, 2]}},
+                "custom_logit_processor": disallowed,
+            },
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        assert r.status_code == 200 and not {1, 2} & set(r.json()["output_ids"]), r.text[:500]
+    assert streams.done >= 1 and not streams.problems, (streams.done, streams.problems)
