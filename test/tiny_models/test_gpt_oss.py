@@ -1,0 +1,87 @@
+"""The tiny gpt-oss: openai/gpt-oss-20b's checkpoint layout (MXFP4 experts) at tiny sizes.
+
+Checked: the release's tensor names, dtypes and shapes (``mlp.experts.gate_up_proj_blocks``
+uint8 [E, 2I, H/32, 16], ``_scales`` uint8 [E, 2I, H/32], ``_bias`` bf16 [E, 2I], the same for
+``down_proj``; router weight + bias, q/k/v/o biases, per-head ``sinks``); ``config.json`` read by
+transformers' ``GptOssConfig`` with alternating sliding / full layers and
+``quantization_config.quant_method == "mxfp4"``; the packing decoded by transformers' own
+``convert_moe_packed_tensors`` equal to :func:`mxfp4_dequantize` and within e2m1 rounding of the
+float experts it was made from; transformers loading the model (dequantized on CPU) and
+generating.
+"""
+
+import json
+
+import torch
+from safetensors import safe_open
+
+
+def test_layout_and_config(gpt_oss_dir):
+    cfg = json.loads((gpt_oss_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["GptOssForCausalLM"]
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    e, h, i, nh = (
+        cfg["num_local_experts"],
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_attention_heads"],
+    )
+    want = {
+        "gate_up_proj_blocks": ("U8", [e, 2 * i, h // 32, 16]),
+        "gate_up_proj_scales": ("U8", [e, 2 * i, h // 32]),
+        "gate_up_proj_bias": ("BF16", [e, 2 * i]),
+        "down_proj_blocks": ("U8", [e, h, i // 32, 16]),
+        "down_proj_scales": ("U8", [e, h, i // 32]),
+        "down_proj_bias": ("BF16", [e, h]),
+    }
+    with safe_open(str(gpt_oss_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for layer in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{layer}."
+            for suffix, (dtype, shape) in want.items():
+                s = f.get_slice(p + "mlp.experts." + suffix)
+                assert (s.get_dtype(), s.get_shape()) == (dtype, shape), suffix
+            assert f.get_slice(p + "self_attn.sinks").get_shape() == [nh]
+            for n in ("router.weight", "router.bias"):
+                assert p + "mlp." + n in names
+            for proj in "qkvo":
+                assert f"{p}self_attn.{proj}_proj.bias" in names
+        assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in names)
+
+
+def test_packing_matches_transformers(gpt_oss_dir):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from sglang.test.tiny_models import builder
+    from sglang.test.tiny_models.quantize_mxfp4 import mxfp4_dequantize
+
+    float_state = builder.make_state_dict("gpt_oss")
+    with safe_open(str(gpt_oss_dir / "model.safetensors"), "pt") as f:
+        for proj in ("gate_up_proj", "down_proj"):
+            p = "model.layers.1.mlp.experts." + proj
+            blocks, scales = f.get_tensor(p + "_blocks"), f.get_tensor(p + "_scales")
+            ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, N]
+            ours = mxfp4_dequantize(blocks, scales).transpose(1, 2)
+            assert torch.equal(ref.float(), ours), proj
+            w = float_state[p].float()
+            # e2m1 keeps 1 mantissa bit: each element within half a step of the group scale
+            assert ((ours - w).norm() / w.norm()).item() < 0.2, proj
+
+
+def test_transformers_loads_and_generates(gpt_oss_dir):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gpt_oss_dir,
+        dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+    )
+    assert type(model).__name__ == "GptOssForCausalLM"
+    tok = transformers.AutoTokenizer.from_pretrained(gpt_oss_dir)
+    # longer than the sliding window, so the sliding layers drop keys
+    ids = tok(" ".join(["the capital of France is a city"] * 4), return_tensors="pt").input_ids
+    assert ids.shape[1] > model.config.sliding_window
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    new = out[0, ids.shape[1] :]
+    assert new.numel() == 8 and len(set(new.tolist())) > 1  # not a constant token
