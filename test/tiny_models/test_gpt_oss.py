@@ -85,3 +85,32 @@ def test_transformers_loads_and_generates(gpt_oss_dir):
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     new = out[0, ids.shape[1] :]
     assert new.numel() == 8 and len(set(new.tolist())) > 1  # not a constant token
+
+
+def test_moe_block_reference_matches_transformers(gpt_oss_dir):
+    """The float64 MoE-block reference (the oracle for the executor's biased, clamped-SwiGLU
+    epilogue) equals transformers' ``GptOssMLP`` run in float64 on the tiny model's layer 1,
+    with inputs scaled so that the clamps at ``swiglu_limit`` are hit."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from sglang.test.tiny_models.quantize_mxfp4 import gpt_oss_moe_reference
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gpt_oss_dir,
+        dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        experts_implementation="eager",  # the grouped-mm path has no float64
+    ).double()
+    state = load_file(str(gpt_oss_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, model.config.hidden_size, generator=g, dtype=torch.float64) * 8.0
+    mlp = model.model.layers[1].mlp
+    with torch.no_grad():
+        want, _ = mlp(x.unsqueeze(0))
+        gu = x @ mlp.experts.gate_up_proj[0] + mlp.experts.gate_up_proj_bias[0]
+    assert (gu.abs() > model.config.swiglu_limit).any()  # the clamp matters at this scale
+    got = gpt_oss_moe_reference(x, state, "model.layers.1.mlp.", model.config.num_experts_per_tok)
+    unclamped = gpt_oss_moe_reference(x, state, "model.layers.1.mlp.", 4, limit=1e9)
+    assert not torch.allclose(unclamped, got)  # the clamp changes the output here
+    torch.testing.assert_close(got, want.reshape(got.shape), rtol=1e-10, atol=1e-10)

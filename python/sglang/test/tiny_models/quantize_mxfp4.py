@@ -88,3 +88,47 @@ def quantize_experts(state: dict) -> dict:
         else:
             out[name] = t
     return out
+
+
+SWIGLU_ALPHA = 1.702  # transformers' GptOssConfig.swiglu_alpha
+SWIGLU_LIMIT = 7.0  # config.json "swiglu_limit"
+
+
+def gpt_oss_moe_reference(x, state: dict, prefix: str, top_k: int, limit: float = SWIGLU_LIMIT):
+    """float64 reference of one gpt-oss MoE block, from the checkpoint tensors.
+
+    Follows transformers' ``GptOssTopKRouter`` (logits = x W^T + b; top-k of the logits, softmax
+    over the k) and ``GptOssExperts`` (gate/up interleaved rows; ``g`` clamped to at most
+    ``limit``, ``u`` to [-limit, limit]; ``(u + 1) * g * sigmoid(alpha * g)``; biases added after
+    each projection).
+
+    Args:
+        x: [T, H] float tensor (the post-attention-norm hidden states).
+        state: checkpoint tensors (``{prefix}router.weight`` [E, H], ``router.bias`` [E],
+            ``experts.{gate_up,down}_proj_{blocks,scales,bias}`` as in the module docstring).
+        prefix: ``"model.layers.N.mlp."``.
+        top_k: experts per token.
+        limit: ``swiglu_limit``.
+
+    Returns:
+        [T, H] float64.
+    """
+    import torch
+
+    x = x.double()
+    logits = x @ state[prefix + "router.weight"].double().T + state[prefix + "router.bias"].double()
+    top_val, top_idx = torch.topk(logits, top_k, dim=-1)
+    weights = torch.softmax(top_val, dim=-1)
+    e = prefix + "experts."
+    w13 = mxfp4_dequantize(state[e + "gate_up_proj_blocks"], state[e + "gate_up_proj_scales"])
+    w2 = mxfp4_dequantize(state[e + "down_proj_blocks"], state[e + "down_proj_scales"])
+    b13, b2 = state[e + "gate_up_proj_bias"].double(), state[e + "down_proj_bias"].double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            k = int(top_idx[t, j])
+            gu = w13[k].double() @ x[t] + b13[k]
+            g, u = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
+            h = (u + 1) * g * torch.sigmoid(SWIGLU_ALPHA * g)
+            out[t] += weights[t, j] * (w2[k].double() @ h + b2[k])
+    return out
