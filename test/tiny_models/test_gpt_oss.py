@@ -114,3 +114,31 @@ def test_moe_block_reference_matches_transformers(gpt_oss_dir):
     unclamped = gpt_oss_moe_reference(x, state, "model.layers.1.mlp.", 4, limit=1e9)
     assert not torch.allclose(unclamped, got)  # the clamp changes the output here
     torch.testing.assert_close(got, want.reshape(got.shape), rtol=1e-10, atol=1e-10)
+
+
+def test_quantization_config_read_by_upstream(gpt_oss_dir):
+    """Upstream's ``ModelConfig`` finds ``quant_method: mxfp4`` and builds its ``Mxfp4Config``
+    (registered on CPU only with the CPU engine, read at import: hence a subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from sglang.srt.configs.model_config import ModelConfig\n"
+        "from sglang.srt.layers.quantization import get_quantization_config\n"
+        "mc = ModelConfig(sys.argv[1])\n"
+        "c = get_quantization_config(mc.quantization).from_config(mc.hf_config.quantization_config)\n"
+        "print(mc.quantization, type(c).__name__, c.is_checkpoint_mxfp4_serialized,"
+        " mc.hf_config.sliding_window)\n"
+    )
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(gpt_oss_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-4:] == ["mxfp4", "Mxfp4Config", "True", "16"], out.stdout
