@@ -103,3 +103,8 @@ def nvfp4_dir(tmp_path_factory):
     return tiny_models.build(
         "qwen3_moe", tmp_path_factory.mktemp("m") / "qwen3_moe_nvfp4", quant="nvfp4"
     )
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_dir(tmp_path_factory):
+    return tiny_models.build("gpt_oss", tmp_path_factory.mktemp("m") / "gpt_oss")

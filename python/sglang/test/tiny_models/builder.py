@@ -80,7 +80,7 @@ GLM_FIRST_K_DENSE = 1
 GLM_DENSE_INTERMEDIATE = 512
 
 
-ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe")
+ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe", "gpt_oss")
 # Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
 # nvidia/Qwen3-30B-A3B-FP4's layouts).
 QUANT_ARCHS = ("qwen3_moe",)
@@ -283,6 +283,101 @@ def _qwen3_5_moe_config() -> dict:
     }
 
 
+# gpt-oss (openai/gpt-oss-20b's config.json keys): 32 experts top-4 like the release, alternating
+# sliding / full attention with a window short enough for the tests' prompts to cross it,
+# attention sinks, biases on q/k/v/o, router and experts, clamped SwiGLU, MXFP4 experts.
+GPT_OSS_EXPERTS = 32
+GPT_OSS_TOP_K = 4
+GPT_OSS_SLIDING_WINDOW = 16
+
+
+def _gpt_oss_config() -> dict:
+    from .quantize_mxfp4 import MODULES_NOT_CONVERTED
+
+    ids = tok_mod.added_token_ids()
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "experts_per_token": GPT_OSS_TOP_K,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": MOE_INTERMEDIATE,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(NUM_LAYERS)
+        ],
+        "max_position_embeddings": 131072,
+        "num_attention_heads": NUM_HEADS,
+        "num_experts_per_tok": GPT_OSS_TOP_K,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "num_local_experts": GPT_OSS_EXPERTS,
+        "output_router_logits": False,
+        "quantization_config": {
+            "modules_to_not_convert": MODULES_NOT_CONVERTED,
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": GPT_OSS_SLIDING_WINDOW,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": tok_mod.VOCAB_SIZE,
+    }
+
+
+def _gpt_oss_specs(cfg: dict, prefix: str) -> List[Tuple[str, _Spec]]:
+    """gpt-oss's tensors (transformers' ``GptOssForCausalLM`` names); the experts in float
+    ([E, H, 2I] gate/up interleaved, [E, I, H] down), which :mod:`.quantize_mxfp4` packs."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    e, mi = cfg["num_local_experts"], cfg["intermediate_size"]
+    specs: List[Tuple[str, _Spec]] = [(prefix + "embed_tokens.weight", _Spec((v, h), "embed"))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"{prefix}layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        specs += [
+            (p + "input_layernorm.weight", _Spec((h,), "norm1")),
+            (p + "post_attention_layernorm.weight", _Spec((h,), "norm1")),
+            (a + "q_proj.weight", _Spec((nh * hd, h), "proj", h)),
+            (a + "q_proj.bias", _Spec((nh * hd,), "attn_bias")),
+            (a + "k_proj.weight", _Spec((nkv * hd, h), "proj", h)),
+            (a + "k_proj.bias", _Spec((nkv * hd,), "attn_bias")),
+            (a + "v_proj.weight", _Spec((nkv * hd, h), "proj", h)),
+            (a + "v_proj.bias", _Spec((nkv * hd,), "attn_bias")),
+            (a + "o_proj.weight", _Spec((h, nh * hd), "proj", nh * hd)),
+            (a + "o_proj.bias", _Spec((h,), "attn_bias")),
+            (a + "sinks", _Spec((nh,), "sink")),
+            (m + "router.weight", _Spec((e, h), "router", h)),
+            (m + "router.bias", _Spec((e,), "attn_bias")),
+            (m + "experts.gate_up_proj", _Spec((e, h, 2 * mi), "proj", h)),
+            (m + "experts.gate_up_proj_bias", _Spec((e, 2 * mi), "attn_bias")),
+            (m + "experts.down_proj", _Spec((e, mi, h), "proj", mi)),
+            (m + "experts.down_proj_bias", _Spec((e, h), "attn_bias")),
+        ]
+    specs.append((prefix + "norm.weight", _Spec((h,), "norm1")))
+    specs.append(("lm_head.weight", _Spec((v, h), "lm_head", h)))
+    return specs
+
+
 def text_config(cfg: dict) -> dict:
     """The language model's part of ``cfg`` (``text_config`` of a vision-language wrapper)."""
     return cfg.get("text_config", cfg)
@@ -302,6 +397,8 @@ def model_config(arch: str, shape: Optional[str] = None) -> dict:
         return dict(sorted(_glm4_moe_config().items()))
     if arch == "qwen3_5_moe":
         return dict(sorted(_qwen3_5_moe_config().items()))
+    if arch == "gpt_oss":
+        return dict(sorted(_gpt_oss_config().items()))
     cfg = _common_config()
     if arch == "qwen3_next":
         cfg.update(
@@ -381,6 +478,8 @@ def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
     if arch == "qwen3_5_moe":  # the text model under model.language_model, then the vision tower
         text = _text_weight_specs(arch, text_config(cfg), "model.language_model.")
         return text + _vision_weight_specs(cfg["vision_config"])
+    if arch == "gpt_oss":
+        return _gpt_oss_specs(cfg, "model.")
     return _text_weight_specs(arch, cfg, "model.")
 
 
@@ -575,6 +674,8 @@ def _make_tensor(seed: int, name: str, spec: _Spec):
         t = normal(ATTN_BIAS_STD)
     elif k == "score_bias":
         t = normal(SCORE_BIAS_STD)
+    elif k == "sink":  # gpt-oss's per-head attention sink logits
+        t = normal(1.0)
     else:  # pragma: no cover
         raise AssertionError(k)
     t = t.to(torch.bfloat16)
@@ -638,6 +739,10 @@ def build(
             (tmp / "preprocessor_config.json").write_text(_json_text(QWEN3_5_IMAGE_PROCESSOR))
             (tmp / "video_preprocessor_config.json").write_text(_json_text(QWEN3_5_VIDEO_PROCESSOR))
         state = make_state_dict(arch, seed, cfg)
+        if arch == "gpt_oss":  # the release ships its experts in MXFP4 only
+            from .quantize_mxfp4 import quantize_experts
+
+            state = quantize_experts(state)
         if quant is not None:
             state, cfg, files = quantize_state(state, cfg, quant)
             (tmp / "config.json").write_text(_json_text(cfg), encoding="utf-8")
