@@ -29,6 +29,7 @@ DEFAULT_MODELS = {
     "qwen3_moe_nvfp4": "qwen3-moe-nvfp4-tiny",
     "mixtral": "mixtral-tiny",
     "olmoe": "olmoe-tiny",
+    "deepseek_v3": "deepseek-v3-tiny",
 }
 # Quantized tiny models: (architecture, --quant) of the builder.
 QUANTIZED = {

@@ -87,7 +87,27 @@ MIXTRAL_EXPERTS = 8
 MIXTRAL_TOP_K = 2
 MIXTRAL_EXPERT_INTERMEDIATE = 256
 
-ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe", "gpt_oss", "mixtral", "olmoe")
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3's config.json and tensor names, bf16 instead of its FP8):
+# multi-head latent attention (q_a/q_b and kv_a_proj_with_mqa/kv_b_proj low-rank projections
+# with their RMSNorms, decoupled RoPE dims with YaRN scaling), first layer dense, sigmoid
+# grouped top-k with e_score_correction_bias (noaux_tc), routed_scaling_factor 2.5, one shared
+# expert. Release shapes: kv_lora_rank 512, q_lora_rank 1536, rope/nope/v head dims 64/128/128.
+DSV3_KV_LORA_RANK = 64
+DSV3_Q_LORA_RANK = 96
+DSV3_QK_ROPE_HEAD_DIM = 32
+DSV3_QK_NOPE_HEAD_DIM = 64
+DSV3_V_HEAD_DIM = 64
+
+ARCHS = (
+    "qwen3_next",
+    "qwen3_moe",
+    "glm4_moe",
+    "qwen3_5_moe",
+    "gpt_oss",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+)
 # Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
 # nvidia/Qwen3-30B-A3B-FP4's layouts).
 QUANT_ARCHS = ("qwen3_moe",)
@@ -223,6 +243,66 @@ def _mixtral_config() -> dict:
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
         "use_cache": True,
+        "vocab_size": tok_mod.VOCAB_SIZE,
+    }
+
+
+def _deepseek_v3_config() -> dict:
+    """config.json of the DeepSeek-V3-style model: deepseek-ai/DeepSeek-V3's keys (transformers'
+    ``DeepseekV3Config``, SGLang's ``DeepseekV3ForCausalLM``), tiny sizes, bf16 weights (the
+    release's FP8 ``quantization_config`` left out)."""
+    ids = tok_mod.added_token_ids()
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "ep_size": 1,
+        "first_k_dense_replace": GLM_FIRST_K_DENSE,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": GLM_DENSE_INTERMEDIATE,  # the dense layer's MLP
+        "kv_lora_rank": DSV3_KV_LORA_RANK,
+        "max_position_embeddings": 163840,
+        "model_type": "deepseek_v3",
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "moe_layer_freq": 1,
+        "n_group": GLM_N_GROUP,
+        "n_routed_experts": NUM_EXPERTS,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": NUM_HEADS,
+        "num_experts_per_tok": TOP_K,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_HEADS,
+        "num_nextn_predict_layers": 0,
+        "q_lora_rank": DSV3_Q_LORA_RANK,
+        "qk_nope_head_dim": DSV3_QK_NOPE_HEAD_DIM,
+        "qk_rope_head_dim": DSV3_QK_ROPE_HEAD_DIM,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": GLM_ROUTED_SCALING_FACTOR,
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": GLM_TOPK_GROUP,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "v_head_dim": DSV3_V_HEAD_DIM,
         "vocab_size": tok_mod.VOCAB_SIZE,
     }
 
@@ -480,6 +560,8 @@ def model_config(arch: str, shape: Optional[str] = None) -> dict:
         return dict(sorted(_mixtral_config().items()))
     if arch == "olmoe":
         return dict(sorted(_olmoe_config().items()))
+    if arch == "deepseek_v3":
+        return dict(sorted(_deepseek_v3_config().items()))
     cfg = _common_config()
     if arch == "qwen3_next":
         cfg.update(
@@ -617,7 +699,7 @@ def _text_weight_specs(arch: str, cfg: dict, prefix: str) -> List[Tuple[str, _Sp
     h = cfg["hidden_size"]
     v = cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or h // nh  # OLMoE has no head_dim key
+    hd = cfg.get("head_dim") or h // nh  # OLMoE and DeepSeek have no head_dim key
     # Qwen / OLMoE, Mixtral, GLM keys
     e = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"]
     mi = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
@@ -654,6 +736,19 @@ def _text_weight_specs(arch: str, cfg: dict, prefix: str) -> List[Tuple[str, _Sp
                 (a + "A_log", _Spec((nv,), "A_log")),
                 (a + "norm.weight", _Spec((dv,), "norm1")),
                 (a + "out_proj.weight", _Spec((h, vdim), "proj", vdim)),
+            ]
+        elif arch == "deepseek_v3":  # multi-head latent attention
+            a = p + "self_attn."
+            ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+            rope, nope, vd = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            specs += [
+                (a + "q_a_proj.weight", _Spec((ql, h), "proj", h)),
+                (a + "q_a_layernorm.weight", _Spec((ql,), "norm1")),
+                (a + "q_b_proj.weight", _Spec((nh * (nope + rope), ql), "proj", ql)),
+                (a + "kv_a_proj_with_mqa.weight", _Spec((kvl + rope, h), "proj", h)),
+                (a + "kv_a_layernorm.weight", _Spec((kvl,), "norm1")),
+                (a + "kv_b_proj.weight", _Spec((nh * (nope + vd), kvl), "proj", kvl)),
+                (a + "o_proj.weight", _Spec((h, nh * vd), "proj", nh * vd)),
             ]
         else:
             a = p + "self_attn."
@@ -696,11 +791,11 @@ def _text_weight_specs(arch: str, cfg: dict, prefix: str) -> List[Tuple[str, _Sp
             specs += _mlp_specs(m, h, cfg["intermediate_size"])
             continue
         specs.append((m + "gate.weight", _Spec((e, h), "router", h)))
-        if arch == "glm4_moe":
+        if arch in ("glm4_moe", "deepseek_v3"):
             specs.append((m + "gate.e_score_correction_bias", _Spec((e,), "score_bias")))
         for j in range(e):
             specs += _mlp_specs(f"{m}experts.{j}.", h, mi)
-        if arch == "glm4_moe":
+        if arch in ("glm4_moe", "deepseek_v3"):
             specs += _mlp_specs(m + "shared_experts.", h, mi * cfg["n_shared_experts"])
         if arch in ("qwen3_next", "qwen3_5_moe"):
             si = cfg["shared_expert_intermediate_size"]

@@ -1,6 +1,7 @@
-"""The Mixtral- and OLMoE-style tiny models (``--arch mixtral`` / ``--arch olmoe``): config,
-tensor names, and transformers loading them with nothing missing or unexpected and routing as
-configured. The serving path is ``test/e2e/test_expert_cache_{mixtral,olmoe}.py``.
+"""The Mixtral-, OLMoE- and DeepSeek-V3-style tiny models (``--arch mixtral`` / ``olmoe`` /
+``deepseek_v3``): config, tensor names, and transformers loading them with nothing missing or
+unexpected and routing as configured. The serving path is
+``test/e2e/test_expert_cache_{mixtral,olmoe,deepseek}.py``.
 """
 
 import json
@@ -11,7 +12,7 @@ import torch
 LAYERS, HIDDEN = 4, 256
 
 
-@pytest.fixture(scope="module", params=["mixtral", "olmoe"])
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "deepseek_v3"])
 def built(request, tm, tmp_path_factory):
     arch = request.param
     return arch, tm.build(arch, tmp_path_factory.mktemp("m") / arch)
@@ -28,8 +29,24 @@ def test_config_and_tensor_names_follow_the_release(built):
     arch, d = built
     raw = json.loads((d / "config.json").read_text())
     names = _names(d)
-    assert set(names.values()) == {"BF16"}
     a = "model.layers.0.self_attn."
+    if arch == "deepseek_v3":
+        assert raw["architectures"] == ["DeepseekV3ForCausalLM"]
+        assert (raw["topk_method"], raw["scoring_func"], raw["routed_scaling_factor"]) == (
+            "noaux_tc",
+            "sigmoid",
+            2.5,
+        )
+        assert raw["rope_scaling"]["type"] == "yarn" and raw["first_k_dense_replace"] == 1
+        for w in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+            assert a + w + ".weight" in names
+        assert "model.layers.0.mlp.gate_proj.weight" in names  # the dense first layer
+        m = "model.layers.1.mlp."
+        assert names[m + "gate.e_score_correction_bias"] == "F32"
+        assert m + "shared_experts.down_proj.weight" in names
+        assert m + "experts.63.up_proj.weight" in names
+        return
+    assert set(names.values()) == {"BF16"}
     if arch == "mixtral":
         assert raw["architectures"] == ["MixtralForCausalLM"]
         assert (raw["num_local_experts"], raw["num_experts_per_tok"]) == (8, 2)
@@ -59,13 +76,21 @@ def test_transformers_loads_every_tensor_and_routes_as_configured(built):
     model, info = AutoModelForCausalLM.from_pretrained(
         str(d), dtype=torch.float32, output_loading_info=True
     )
-    assert (
-        type(model).__name__ == {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}[arch]
-    )
+    want = {
+        "mixtral": "MixtralForCausalLM",
+        "olmoe": "OlmoeForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+    }
+    assert type(model).__name__ == want[arch]
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
         info
     )
     assert len(model.model.layers) == LAYERS
+    if arch == "deepseek_v3":  # no router logits output: the model runs and the MoE is there
+        assert type(model.model.layers[1].mlp).__name__ == "DeepseekV3MoE"
+        out = model(torch.arange(1, 65).reshape(1, 64))
+        assert torch.isfinite(out.logits).all()
+        return
     # router logits of a real input: every expert reachable, the top-k as configured
     ids = torch.arange(1, 65).reshape(1, 64)
     out = model(ids, output_router_logits=True)
