@@ -272,4 +272,6 @@ def test_backend_forward_passes_sinks_to_module():
 def test_cross_attention_refused_with_a_reason():
     layer = SimpleNamespace(is_cross_attention=True)
     with pytest.raises(NotImplementedError, match="decoder self-attention"):
-        tns.extend_for_layer(None, None, None, layer, SimpleNamespace(encoder_lens=None), None, True)
+        tns.extend_for_layer(
+            None, None, None, layer, SimpleNamespace(encoder_lens=None), None, True
+        )

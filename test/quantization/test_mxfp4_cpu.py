@@ -38,13 +38,17 @@ def test_dequantize_matches_transformers(checkpoint):
         assert ours.shape == hf.shape
         assert torch.equal(ours, hf)
         # bf16 holds every e2m1 * 2^k exactly (scales of a real checkpoint)
-        assert torch.equal(mxfp4_cpu.dequantize_mxfp4(blocks.flatten(-2), scales, torch.bfloat16).float(), hf)
+        assert torch.equal(
+            mxfp4_cpu.dequantize_mxfp4(blocks.flatten(-2), scales, torch.bfloat16).float(), hf
+        )
 
 
 def test_dequantize_errors_name_the_problem():
     codes = torch.zeros(2, 4, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="must be uint8"):
-        mxfp4_cpu.dequantize_mxfp4(codes.float(), torch.zeros(2, 4, 1, dtype=torch.uint8), torch.float32)
+        mxfp4_cpu.dequantize_mxfp4(
+            codes.float(), torch.zeros(2, 4, 1, dtype=torch.uint8), torch.float32
+        )
     with pytest.raises(ValueError, match="do not match"):
         mxfp4_cpu.dequantize_mxfp4(codes, torch.zeros(2, 4, 2, dtype=torch.uint8), torch.float32)
 

@@ -131,7 +131,11 @@ def extend_with_sinks(
     ``sliding_window_size`` None or < 0: full attention. Writes ``output`` (cast to its dtype)
     and returns it.
     """
-    window = sliding_window_size if sliding_window_size is not None and sliding_window_size > -1 else None
+    window = (
+        sliding_window_size
+        if sliding_window_size is not None and sliding_window_size > -1
+        else None
+    )
     budget = block_elems if block_elems is not None else _block_elems()
     heads = query.shape[1]
     start = 0
@@ -186,7 +190,11 @@ def decode_with_sinks(
     [pool_size, kv_heads, dim] (the new token's K/V already written), sinks [heads]. Keys as in
     :func:`extend_with_sinks`. Writes ``output`` (cast to its dtype) and returns it.
     """
-    window = sliding_window_size if sliding_window_size is not None and sliding_window_size > -1 else None
+    window = (
+        sliding_window_size
+        if sliding_window_size is not None and sliding_window_size > -1
+        else None
+    )
     for i, (pool_idx, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         pos = seq_len - 1
         k_lo = max(0, pos - window) if window is not None else 0

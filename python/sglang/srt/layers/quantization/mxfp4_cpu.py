@@ -95,7 +95,9 @@ def dequantize_moe_weights(layer: torch.nn.Module, dtype: torch.dtype) -> None:
         _logged = True
     for name in ("w13", "w2"):
         w = dequantize_mxfp4(
-            getattr(layer, f"{name}_weight").data, getattr(layer, f"{name}_weight_scale").data, dtype
+            getattr(layer, f"{name}_weight").data,
+            getattr(layer, f"{name}_weight_scale").data,
+            dtype,
         )
         delattr(layer, f"{name}_weight")
         delattr(layer, f"{name}_weight_scale")
