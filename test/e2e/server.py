@@ -27,6 +27,8 @@ DEFAULT_MODELS = {
     "qwen3_moe_fp8": "qwen3-moe-fp8-tiny",
     "qwen3_5_moe": "qwen3.5-moe-tiny",
     "qwen3_moe_nvfp4": "qwen3-moe-nvfp4-tiny",
+    "mixtral": "mixtral-tiny",
+    "olmoe": "olmoe-tiny",
     "gpt_oss": "gpt-oss-tiny",
 }
 # Quantized tiny models: (architecture, --quant) of the builder.

@@ -145,6 +145,10 @@ def test_metrics_exported(results, server_pool):
     assert fills + cpu == misses
     assert fills >= 1 and cpu >= 1  # qstar at B_P/B_H = 0.5 does both
     assert metric(text, "sglang:expert_cache_slots") == 8
+    # B_P / B_H measured over the served decode calls (bandwidth_drift; the flags keep the
+    # split's figures fixed, the live rates are exported all the same)
+    assert metric(text, "sglang:expert_cache_live_fill_gbps") > 0
+    assert metric(text, "sglang:expert_cache_live_cpu_gbps") > 0
     assert 0 < metric(text, "sglang:expert_cache_occupied_slots") <= 8
     # Patch 0033: the scheduler's decode log publishes the device counters (a CUDA graph replay
     # runs no Python). With --decode-log-interval 1 the published layer calls follow each

@@ -248,3 +248,57 @@ def test_cpu_branch_is_captured_in_a_cuda_graph_and_replays_new_inputs():
         want = torch.empty(4, 128)
         moe_experts_cpu(x2, tw2, [rows2], [w13], [w2], want)
         assert torch.equal(out.cpu(), want), f"replay {seed}"
+
+
+def test_a_captured_graph_follows_the_live_fill_ratio():
+    """``live_fill_ratio`` is device data: one captured control call, replayed after the ratio
+    changed (as bandwidth_drift changes it), fills by the new q* (compared with the CPU op)."""
+    E, S, F, K = 32, 32, 16, 8
+    ids = torch.arange(K, dtype=torch.int32).reshape(1, K)
+    live = torch.zeros(1, dtype=torch.float64, device="cuda")
+    static_ids = ids.cuda()
+    fills = {}
+    for ratio in (0.25, 1.0):  # the CPU op with the same ratio, from an empty cache each time
+        cpu, _ = pair(1, E, S, F, K)
+        r = control.expert_cache_control(ids, 0, E, cpu.tables, cpu.fills, ratio, "qstar")
+        fills[ratio] = int(r.fills.counts[control.Stat.FILLS])
+    assert fills[0.25] == 2 and fills[1.0] == K
+    _, gpu = pair(1, E, S, F, K)
+    initial = [
+        t.clone()
+        for t in (
+            gpu.tables.slot_of_id,
+            gpu.tables.id_of_slot,
+            gpu.tables.slot_last_use,
+            gpu.tables.clock,
+            gpu.tables.stats,
+        )
+    ]
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up outside the graph (the state is reset before replays)
+        control.expert_cache_control(
+            static_ids, 0, E, gpu.tables, gpu.fills, 0.0, "qstar", live_fill_ratio=live
+        )
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        r = control.expert_cache_control(
+            static_ids, 0, E, gpu.tables, gpu.fills, 0.0, "qstar", live_fill_ratio=live
+        )
+    for ratio in (0.25, 1.0):
+        for t, v in zip(
+            (
+                gpu.tables.slot_of_id,
+                gpu.tables.id_of_slot,
+                gpu.tables.slot_last_use,
+                gpu.tables.clock,
+                gpu.tables.stats,
+            ),
+            initial,
+        ):
+            t.copy_(v)
+        live.fill_(ratio)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(r.fills.counts[control.Stat.FILLS]) == fills[ratio], ratio

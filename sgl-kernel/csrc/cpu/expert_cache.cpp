@@ -156,12 +156,19 @@ void expert_cache_control_cpu(const at::Tensor& topk_ids, int64_t layer, int64_t
                               const at::Tensor& slot_last_use, const at::Tensor& clock, const at::Tensor& slot_ids,
                               const at::Tensor& cpu_ids, const at::Tensor& fill_src, const at::Tensor& fill_dst,
                               const at::Tensor& counts, const at::Tensor& stats, double fill_ratio, int64_t policy,
-                              const c10::optional<at::Tensor>& live_slots) {
+                              const c10::optional<at::Tensor>& live_slots,
+                              const c10::optional<at::Tensor>& live_fill_ratio) {
   // ---- argument checks (nothing is changed before all of them pass) ----
   const ec::ControlShape shape =
       ec::check_control_args(topk_ids, layer, num_experts, slot_of_id, id_of_slot, slot_last_use, clock, slot_ids,
                              cpu_ids, fill_src, fill_dst, counts, stats, fill_ratio, policy, kCpu);
   ec::check_live_slots(live_slots, kCpu);
+  ec::check_live_fill_ratio(live_fill_ratio, kCpu);
+  if (live_fill_ratio.has_value()) {
+    fill_ratio = live_fill_ratio->data_ptr<double>()[0];
+    TORCH_CHECK(std::isfinite(fill_ratio) && fill_ratio >= 0.0, "live_fill_ratio must be finite and >= 0, got ",
+                fill_ratio);
+  }
   const int64_t n_ids = shape.n_ids, F = shape.num_fill;
   // Slots [S, capacity) are outside the cache: never a hit (checked below), never a victim.
   const int64_t S = live_slots.has_value() ? live_slots->data_ptr<int32_t>()[0] : shape.num_slots;
@@ -338,7 +345,7 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
       "expert_cache_control(Tensor topk_ids, int layer, int num_experts, Tensor(a!) slot_of_id, "
       "Tensor(b!) id_of_slot, Tensor(c!) slot_last_use, Tensor(d!) clock, Tensor(e!) slot_ids, Tensor(f!) cpu_ids, "
       "Tensor(g!) fill_src, Tensor(h!) fill_dst, Tensor(i!) counts, Tensor(j!) stats, float fill_ratio, "
-      "int policy, Tensor? live_slots=None) -> ()");
+      "int policy, Tensor? live_slots=None, Tensor? live_fill_ratio=None) -> ()");
   m.def(
       "expert_bank_copy(Tensor[] src_banks, Tensor(a!)[] dst_banks, Tensor fill_src, Tensor fill_dst, "
       "Tensor counts) -> ()");

@@ -196,7 +196,13 @@ __global__ void __launch_bounds__(kThreads) expert_cache_control_kernel(const Co
   const int hits = s_hits, m = s_misses;
 
   // 4-6. q, victims (one pass over the slot table), fill order
-  const int64_t wanted = ec::policy_fill_count(static_cast<ec::MissPolicy>(p.policy), m, p.fill_ratio);
+  // Device data when given (a re-derived B_P / B_H reaches captured graphs); a bad value reads as 0.
+  double ratio = p.fill_ratio;
+  if (p.live_fill_ratio != nullptr) {
+    ratio = *p.live_fill_ratio;
+    if (!(ratio >= 0.0 && ratio <= 1.0e300)) ratio = 0.0;
+  }
+  const int64_t wanted = ec::policy_fill_count(static_cast<ec::MissPolicy>(p.policy), m, ratio);
   int q = static_cast<int>(wanted < p.num_fill ? wanted : p.num_fill);
   if (q > 0) {  // uniform
     int64_t* const lu = p.slot_last_use;

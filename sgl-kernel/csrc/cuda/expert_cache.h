@@ -39,7 +39,8 @@ struct ControlArgs {
   int32_t* counts;            // [stat::count] this call's counters (csrc/shared/expert_cache.h)
   int64_t* stats;             // [stat::count] their running sums
   double fill_ratio;
-  int32_t policy;  // a sglk::expert_cache::MissPolicy
+  const double* live_fill_ratio;  // [1] B_P / B_H as device data (replaces fill_ratio), or null
+  int32_t policy;                 // a sglk::expert_cache::MissPolicy
 };
 
 // One block; enqueued on `stream`, no host synchronization. Returns the launch error.

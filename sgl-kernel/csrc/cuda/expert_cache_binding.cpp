@@ -27,13 +27,15 @@ void expert_cache_control_cuda(const at::Tensor& topk_ids, int64_t layer, int64_
                                const at::Tensor& slot_last_use, const at::Tensor& clock, const at::Tensor& slot_ids,
                                const at::Tensor& cpu_ids, const at::Tensor& fill_src, const at::Tensor& fill_dst,
                                const at::Tensor& counts, const at::Tensor& stats, double fill_ratio, int64_t policy,
-                               const c10::optional<at::Tensor>& live_slots) {
+                               const c10::optional<at::Tensor>& live_slots,
+                               const c10::optional<at::Tensor>& live_fill_ratio) {
   TORCH_CHECK(topk_ids.is_cuda(), "topk_ids must be a CUDA tensor, got ", topk_ids.device());
   const at::Device dev = topk_ids.device();
   const ec::ControlShape shape =
       ec::check_control_args(topk_ids, layer, num_experts, slot_of_id, id_of_slot, slot_last_use, clock, slot_ids,
                              cpu_ids, fill_src, fill_dst, counts, stats, fill_ratio, policy, dev);
   ec::check_live_slots(live_slots, dev);
+  ec::check_live_fill_ratio(live_fill_ratio, dev);
   TORCH_CHECK(num_experts <= kControlMaxExperts, "num_experts must be in [1, ", kControlMaxExperts, "] on CUDA, got ",
               num_experts);
   TORCH_CHECK(shape.num_fill <= kControlMaxFill, "fill lists of at most ", kControlMaxFill, " entries on CUDA, got ",
@@ -60,6 +62,7 @@ void expert_cache_control_cuda(const at::Tensor& topk_ids, int64_t layer, int64_
   a.counts = counts.data_ptr<int32_t>();
   a.stats = stats.data_ptr<int64_t>();
   a.fill_ratio = fill_ratio;
+  a.live_fill_ratio = live_fill_ratio.has_value() ? live_fill_ratio->data_ptr<double>() : nullptr;
   a.policy = static_cast<int32_t>(policy);
   const c10::cuda::CUDAGuard guard(dev);
   C10_CUDA_CHECK(launch_expert_cache_control(a, c10::cuda::getCurrentCUDAStream(dev.index()).stream()));

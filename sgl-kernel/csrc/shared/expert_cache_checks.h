@@ -107,6 +107,15 @@ inline void check_live_slots(const c10::optional<at::Tensor>& live_slots, const 
   TORCH_CHECK(live_slots->numel() == 1, "live_slots must have one entry, got ", live_slots->numel());
 }
 
+// live_fill_ratio: [1] float64 on `dev`, B_P / B_H as device data (replaces the float argument, so
+// a captured graph follows a re-derived ratio). Its value is checked where the caller can read it
+// without a sync (the CPU op); the CUDA kernel treats a negative or non-finite value as 0.
+inline void check_live_fill_ratio(const c10::optional<at::Tensor>& live_fill_ratio, const at::Device& dev) {
+  if (!live_fill_ratio.has_value()) return;
+  check_on(*live_fill_ratio, "live_fill_ratio", at::kDouble, dev);
+  TORCH_CHECK(live_fill_ratio->numel() == 1, "live_fill_ratio must have one entry, got ", live_fill_ratio->numel());
+}
+
 // The fill work list on `dev` (fill_src, fill_dst [F] int32; counts int32 holding counts[stat::fills])
 // and, bank by bank, source and destination of the same row shape and dtype, contiguous.
 // Returns each bank's row size in bytes. Where the banks live is the caller's rule.

@@ -80,7 +80,14 @@ GLM_FIRST_K_DENSE = 1
 GLM_DENSE_INTERMEDIATE = 512
 
 
-ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe", "gpt_oss")
+# Mixtral (mistralai/Mixtral-8x7B-v0.1's config.json and tensor names: block_sparse_moe, experts
+# w1/w3/w2, 8 experts top-2, no q/k norm) and OLMoE (allenai/OLMoE-1B-7B-0924's: q/k RMSNorms
+# over the whole projection, 64 experts top-8 without renormalizing the top-k weights).
+MIXTRAL_EXPERTS = 8
+MIXTRAL_TOP_K = 2
+MIXTRAL_EXPERT_INTERMEDIATE = 256
+
+ARCHS = ("qwen3_next", "qwen3_moe", "glm4_moe", "qwen3_5_moe", "gpt_oss", "mixtral", "olmoe")
 # Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
 # nvidia/Qwen3-30B-A3B-FP4's layouts).
 QUANT_ARCHS = ("qwen3_moe",)
@@ -182,6 +189,76 @@ def _glm4_moe_config() -> dict:
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "use_qk_norm": True,
+        "vocab_size": tok_mod.VOCAB_SIZE,
+    }
+
+
+def _mixtral_config() -> dict:
+    """config.json of the Mixtral-style model: mistralai/Mixtral-8x7B-v0.1's keys (transformers'
+    ``MixtralConfig``, SGLang's ``MixtralForCausalLM``), tiny sizes."""
+    ids = tok_mod.added_token_ids()
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": MIXTRAL_EXPERT_INTERMEDIATE,  # each expert's FFN
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "model_type": "mixtral",
+        "num_attention_heads": NUM_HEADS,
+        "num_experts_per_tok": MIXTRAL_TOP_K,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "num_local_experts": MIXTRAL_EXPERTS,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1_000_000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": tok_mod.VOCAB_SIZE,
+    }
+
+
+def _olmoe_config() -> dict:
+    """config.json of the OLMoE-style model: allenai/OLMoE-1B-7B-0924's keys (transformers'
+    ``OlmoeConfig``, SGLang's ``OlmoeForCausalLM``), tiny sizes."""
+    ids = tok_mod.added_token_ids()
+    return {
+        "architectures": ["OlmoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "clip_qkv": None,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": MOE_INTERMEDIATE,  # each expert's FFN
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "model_type": "olmoe",
+        "norm_topk_prob": False,
+        "num_attention_heads": NUM_HEADS,
+        "num_experts": NUM_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_HEADS,  # no GQA, as released (SGLang's k_norm assumes it)
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "router_aux_loss_coef": 0.01,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
         "vocab_size": tok_mod.VOCAB_SIZE,
     }
 
@@ -399,6 +476,10 @@ def model_config(arch: str, shape: Optional[str] = None) -> dict:
         return dict(sorted(_qwen3_5_moe_config().items()))
     if arch == "gpt_oss":
         return dict(sorted(_gpt_oss_config().items()))
+    if arch == "mixtral":
+        return dict(sorted(_mixtral_config().items()))
+    if arch == "olmoe":
+        return dict(sorted(_olmoe_config().items()))
     cfg = _common_config()
     if arch == "qwen3_next":
         cfg.update(
@@ -535,9 +616,11 @@ def _vision_weight_specs(vc: dict) -> List[Tuple[str, _Spec]]:
 def _text_weight_specs(arch: str, cfg: dict, prefix: str) -> List[Tuple[str, _Spec]]:
     h = cfg["hidden_size"]
     v = cfg["vocab_size"]
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    e = cfg.get("num_experts") or cfg["n_routed_experts"]  # Qwen / GLM key
-    mi = cfg["moe_intermediate_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh  # OLMoE has no head_dim key
+    # Qwen / OLMoE, Mixtral, GLM keys
+    e = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"]
+    mi = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     # Qwen3-Next and Qwen3.5 RMSNorms compute x * (1 + w); both gate their attention output
     gemma_norm = arch in ("qwen3_next", "qwen3_5_moe")
     norm_kind = "norm0" if gemma_norm else "norm1"
@@ -587,11 +670,27 @@ def _text_weight_specs(arch: str, cfg: dict, prefix: str) -> List[Tuple[str, _Sp
                     (a + "k_proj.bias", _Spec((nkv * hd,), "attn_bias")),
                     (a + "v_proj.bias", _Spec((nkv * hd,), "attn_bias")),
                 ]
-            if cfg.get("use_qk_norm", True):  # Qwen3 always; GLM when use_qk_norm
+            if arch == "olmoe":  # RMSNorms over the whole q / k projection, not per head
+                specs += [
+                    (a + "q_norm.weight", _Spec((nh * hd,), "qk_norm1")),
+                    (a + "k_norm.weight", _Spec((nkv * hd,), "qk_norm1")),
+                ]
+            elif arch != "mixtral" and cfg.get("use_qk_norm", True):  # Qwen3; GLM if use_qk_norm
                 specs += [
                     (a + "q_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
                     (a + "k_norm.weight", _Spec((hd,), "qk_" + norm_kind)),
                 ]
+        if arch == "mixtral":  # block_sparse_moe.gate, experts.{j}.w1 (gate) / w3 (up) / w2
+            m = p + "block_sparse_moe."
+            specs.append((m + "gate.weight", _Spec((e, h), "router", h)))
+            for j in range(e):
+                x = f"{m}experts.{j}."
+                specs += [
+                    (x + "w1.weight", _Spec((mi, h), "proj", h)),
+                    (x + "w2.weight", _Spec((h, mi), "proj", mi)),
+                    (x + "w3.weight", _Spec((mi, h), "proj", h)),
+                ]
+            continue
         m = p + "mlp."
         if i < cfg.get("first_k_dense_replace", 0):  # GLM: a dense MLP in the first layers
             specs += _mlp_specs(m, h, cfg["intermediate_size"])

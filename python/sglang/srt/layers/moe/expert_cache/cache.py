@@ -26,11 +26,17 @@ of MoE kernel.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Callable, Dict, Optional
 
 import torch
 
 from sglang.srt.layers.moe.expert_cache.bandwidth import Bandwidths
+from sglang.srt.layers.moe.expert_cache.bandwidth_drift import (
+    DECODE_SAMPLE_MAX_TOKENS,
+    BandwidthDrift,
+)
 from sglang.srt.layers.moe.expert_cache.bandwidth_probe import probe_bandwidths
 from sglang.srt.layers.moe.expert_cache.banks import (
     ExpertBanks,
@@ -124,7 +130,12 @@ class ExpertSlotCache:
         self.tables: Optional[ExpertCacheTables] = None
         self.fills: Optional[FillList] = None
         self.bandwidths: Optional[Bandwidths] = None
-        self.fill_ratio = 0.0  # B_P / B_H as the control step uses it (0 without slots)
+        # B_P / B_H as the control step reads it: device data, so a captured graph follows a
+        # ratio re-derived while serving (bandwidth_drift); 0 without slots.
+        self._live_fill_ratio = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self._fill_ratio = 0.0
+        self.drift: Optional[BandwidthDrift] = None  # set once B_P / B_H are known
+        self._timer = time.perf_counter  # the clock of the drift samples (tests replace it)
         self._cuda = None  # cuda_branch.CudaForward on a CUDA device
         self.prefill_stream = None  # prefill_stream.PrefillStream, set by finalize()
         self._eager_calls = 0  # Python-side layer calls (a graph replay adds none)
@@ -139,6 +150,47 @@ class ExpertSlotCache:
             from sglang.srt.layers.moe.expert_cache.routing_trace import RoutingRecorder
 
             self.recorder = RoutingRecorder(config.record_routing, num_experts, num_layers)
+
+    @property
+    def fill_ratio(self) -> float:
+        """``B_P / B_H`` as the control step uses it (paper Eq. 4); 0 without slots."""
+        return self._fill_ratio
+
+    @fill_ratio.setter
+    def fill_ratio(self, value: float) -> None:
+        """Set the ratio and its device copy (an asynchronous fill on CUDA: no host sync).
+
+        Raises:
+            ValueError: not finite or negative.
+        """
+        value = float(value)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"fill ratio B_P / B_H must be finite and >= 0, got {value}")
+        self._fill_ratio = value
+        self._live_fill_ratio.fill_(value)
+
+    def _start_drift(self) -> None:
+        """Begin re-deriving B_P / B_H from the served layer calls (:mod:`bandwidth_drift`);
+        a figure given by flag stays fixed. Nothing to do without valid bandwidths."""
+        b = self.bandwidths
+        if b is None or not (b.fill_gbps > 0 and b.cpu_gbps > 0):
+            return
+        self.drift = BandwidthDrift(
+            b, adapt_fill=self.config.fill_gbps is None, adapt_cpu=self.config.cpu_gbps is None
+        )
+
+    def _observe(self, tokens: int, fills: FillList, fill_s: float, cpu_s: float) -> None:
+        """One CPU-path layer call's sample for :attr:`drift` (decode-sized calls only)."""
+        if self.drift is None or tokens > DECODE_SAMPLE_MAX_TOKENS:
+            return
+        counts = fills.counts.tolist()  # a CPU tensor here: no sync
+        eb = self.host.expert_bytes
+        executed = counts[Stat.HITS] + counts[Stat.MISSES]
+        update = self.drift.observe(counts[Stat.FILLS] * eb, fill_s, executed * eb, cpu_s)
+        if update is not None:
+            self.bandwidths = update.after
+            self.fill_ratio = update.after.fill_ratio
+            logger.info("Expert cache: bandwidth drift: %s", update.describe())
 
     # ------------------------------------------------------------------ setup
     def check_shape(
@@ -254,6 +306,7 @@ class ExpertSlotCache:
         if slots:
             self.bandwidths = self.measure_bandwidths(threads)
             self.fill_ratio = self.bandwidths.fill_ratio
+            self._start_drift()
         else:
             # Every miss runs on the CPU: no q* split to set, and on CUDA the host pool was not
             # pinned, which the fill probe needs. Nothing is measured or cached.
@@ -399,6 +452,8 @@ class ExpertSlotCache:
             raise
         old, self.num_slots = self.num_slots, num_slots
         self.bandwidths, self.fill_ratio = bandwidths, fill_ratio
+        if num_slots and self.drift is None:
+            self._start_drift()
         released = 0
         if num_slots < old:
             try:
@@ -445,6 +500,7 @@ class ExpertSlotCache:
             self.fills,
             self.fill_ratio,
             self.policy,
+            live_fill_ratio=self._live_fill_ratio,
         )
 
     def fill(self, fills: FillList) -> None:
@@ -502,11 +558,15 @@ class ExpertSlotCache:
             return self._cuda.forward(
                 x, weights, routing, self.fill, self.slots, moe_runner_config, scale
             )
-        routing = self.route(layer_id, ids)
+        routing = self.control(layer_id, ids)
+        t0 = self._timer()
+        self.fill(routing.fills)
+        t1 = self._timer()
         out = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
         run_experts_cpu(
             x, weights, [routing.slot_ids, routing.cpu_ids], [self.slots, self.host], out
         )
+        self._observe(x.shape[0], routing.fills, t1 - t0, self._timer() - t1)
         if scale is not None:
             out.mul_(scale)
         return out.to(x.dtype)
@@ -518,7 +578,9 @@ class ExpertSlotCache:
         Keys: hits, misses, fills, cpu_experts (distinct experts per layer call, summed over
         calls), calls (layer calls), slots, occupied_slots, fill_ratio (B_P / B_H),
         slot_bytes (slots x bytes of one expert), rebalances, rebalance_failures,
-        last_rebalance_ms (module ``rebalance``).
+        last_rebalance_ms (module ``rebalance``), live_fill_gbps / live_cpu_gbps (B_P / B_H
+        over the drift window, GB/s, nan before a sample) and bandwidth_updates (their
+        re-derivations; module ``bandwidth_drift``).
         """
         stats = self.tables.stats.tolist() if self.finalized else [0] * len(Stat)
         return dict(
@@ -534,6 +596,9 @@ class ExpertSlotCache:
             rebalances=self.rebalances,
             rebalance_failures=self.rebalance_failures,
             last_rebalance_ms=self.last_rebalance_ms,
+            live_fill_gbps=self.drift.live_fill_gbps if self.drift else float("nan"),
+            live_cpu_gbps=self.drift.live_cpu_gbps if self.drift else float("nan"),
+            bandwidth_updates=self.drift.updates if self.drift else 0,
         )
 
     def publish_metrics(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -188,6 +188,7 @@ def expert_cache_control(
     fills: FillList,
     fill_ratio: float,
     policy: Union[int, str] = 0,
+    live_fill_ratio: Optional[torch.Tensor] = None,
 ) -> Routing:
     """One MoE layer's cache step: ``torch.ops.sgl_kernel.expert_cache_control``.
 
@@ -206,6 +207,11 @@ def expert_cache_control(
             ``q = clamp(floor(m * fill_ratio + 0.5), 1, m)`` for ``m > 0`` (paper Eq. 4).
         policy: a :class:`MissPolicy`, its value or its name. In all policies ``q <= F`` and
             ``q <=`` the slots not hit in this call (so ``q == 0`` with no slots).
+        live_fill_ratio: optional ``[1]`` float64 on the tables' device holding ``B_P / B_H``
+            as device data; when given it replaces ``fill_ratio``, so a captured CUDA graph
+            follows a ratio re-derived while serving (:mod:`bandwidth_drift`). The CPU op
+            checks its value like ``fill_ratio``; the CUDA kernel reads a negative or
+            non-finite value as 0 (it cannot raise without a host sync).
 
     Returns:
         :class:`Routing` with new ``[T, K]`` int32 ``slot_ids`` / ``cpu_ids`` and ``fills``.
@@ -243,6 +249,7 @@ def expert_cache_control(
         float(fill_ratio),
         int(MissPolicy.parse(policy)),
         tables.live_slots,
+        live_fill_ratio,
     )
     return Routing(slot_ids, cpu_ids, fills)
 

@@ -1,14 +1,16 @@
 """Prometheus export of the expert cache's counters (``--enable-metrics``).
 
 Counters ``sglang:expert_cache_{hits,misses,fills,cpu_experts,calls,rebalances,
-rebalance_failures}_total`` and gauges ``sglang:expert_cache_{slots,occupied_slots,fill_ratio,
-slot_bytes,last_rebalance_ms,fills_per_layer_call}``, from
+rebalance_failures,bandwidth_updates}_total`` and gauges ``sglang:expert_cache_{slots,
+occupied_slots,fill_ratio,slot_bytes,last_rebalance_ms,live_fill_gbps,live_cpu_gbps,
+fills_per_layer_call}``, from
 :meth:`ExpertSlotCache.snapshot`. Layer calls replayed from a CUDA graph run no Python, so the
 scheduler's decode log also publishes them (patch ``0033-expert-cache-metrics-at-decode-log``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -21,6 +23,7 @@ _COUNTERS = {
     "calls": "MoE layer calls through the expert cache",
     "rebalances": "Slot-pool resizes done by /rebalance_memory",
     "rebalance_failures": "Slot-pool resizes that failed and rolled back",
+    "bandwidth_updates": "Re-derivations of B_P / B_H from the served layer calls",
 }
 _GAUGES = {
     "slots": ("sglang:expert_cache_slots", "Expert slots"),
@@ -33,6 +36,14 @@ _GAUGES = {
     "last_rebalance_ms": (
         "sglang:expert_cache_last_rebalance_ms",
         "Wall time of the last slot-pool resize, ms",
+    ),
+    "live_fill_gbps": (
+        "sglang:expert_cache_live_fill_gbps",
+        "B_P measured over the last decode layer calls, GB/s",
+    ),
+    "live_cpu_gbps": (
+        "sglang:expert_cache_live_cpu_gbps",
+        "B_H measured over the last decode layer calls, GB/s",
     ),
     "fills_per_call": (
         "sglang:expert_cache_fills_per_layer_call",
@@ -93,5 +104,8 @@ class ExpertCacheMetrics:
                 c.inc(delta)
         for k in ("slots", "occupied_slots", "fill_ratio", "slot_bytes", "last_rebalance_ms"):
             self._gauges[k].set(snap[k])
+        for k in ("live_fill_gbps", "live_cpu_gbps"):
+            if math.isfinite(snap[k]):
+                self._gauges[k].set(snap[k])
         self._gauges["fills_per_call"].set(snap["fills"] / max(1, snap["calls"]))
         self._last = dict(snap)

@@ -1,0 +1,80 @@
+"""The Mixtral- and OLMoE-style tiny models (``--arch mixtral`` / ``--arch olmoe``): config,
+tensor names, and transformers loading them with nothing missing or unexpected and routing as
+configured. The serving path is ``test/e2e/test_expert_cache_{mixtral,olmoe}.py``.
+"""
+
+import json
+
+import pytest
+import torch
+
+LAYERS, HIDDEN = 4, 256
+
+
+@pytest.fixture(scope="module", params=["mixtral", "olmoe"])
+def built(request, tm, tmp_path_factory):
+    arch = request.param
+    return arch, tm.build(arch, tmp_path_factory.mktemp("m") / arch)
+
+
+def _names(d):
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        return {n: f.get_slice(n).get_dtype() for n in f.keys()}
+
+
+def test_config_and_tensor_names_follow_the_release(built):
+    arch, d = built
+    raw = json.loads((d / "config.json").read_text())
+    names = _names(d)
+    assert set(names.values()) == {"BF16"}
+    a = "model.layers.0.self_attn."
+    if arch == "mixtral":
+        assert raw["architectures"] == ["MixtralForCausalLM"]
+        assert (raw["num_local_experts"], raw["num_experts_per_tok"]) == (8, 2)
+        m = "model.layers.0.block_sparse_moe."
+        assert m + "gate.weight" in names
+        for j in range(8):
+            assert all(m + f"experts.{j}.{w}.weight" in names for w in ("w1", "w2", "w3"))
+        assert not any(".mlp." in n or "q_norm" in n for n in names)
+    else:
+        assert raw["architectures"] == ["OlmoeForCausalLM"]
+        assert (raw["num_experts"], raw["num_experts_per_tok"]) == (64, 8)
+        assert raw["norm_topk_prob"] is False and "head_dim" not in raw
+        assert "model.layers.0.mlp.experts.63.down_proj.weight" in names
+        hd = HIDDEN // raw["num_attention_heads"]
+        from safetensors import safe_open
+
+        with safe_open(str(d / "model.safetensors"), "pt") as f:  # whole-projection norms
+            assert f.get_slice(a + "q_norm.weight").get_shape() == [HIDDEN]
+            kv = raw["num_key_value_heads"] * hd
+            assert f.get_slice(a + "k_norm.weight").get_shape() == [kv]
+
+
+def test_transformers_loads_every_tensor_and_routes_as_configured(built):
+    from transformers import AutoModelForCausalLM
+
+    arch, d = built
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(d), dtype=torch.float32, output_loading_info=True
+    )
+    assert (
+        type(model).__name__ == {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}[arch]
+    )
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
+        info
+    )
+    assert len(model.model.layers) == LAYERS
+    # router logits of a real input: every expert reachable, the top-k as configured
+    ids = torch.arange(1, 65).reshape(1, 64)
+    out = model(ids, output_router_logits=True)
+    logits = out.router_logits[0]
+    e, k = (
+        model.config.num_local_experts if arch == "mixtral" else model.config.num_experts,
+        (model.config.num_experts_per_tok),
+    )
+    assert logits.shape[-1] == e
+    chosen = torch.topk(logits.reshape(-1, e), k, dim=-1).indices.unique()
+    assert chosen.numel() > e // 2  # routing spreads over the experts
+    assert torch.isfinite(out.logits).all()
