@@ -30,6 +30,7 @@ DEFAULT_MODELS = {
     "mixtral": "mixtral-tiny",
     "olmoe": "olmoe-tiny",
     "deepseek_v3": "deepseek-v3-tiny",
+    "gpt_oss": "gpt-oss-tiny",
 }
 # Quantized tiny models: (architecture, --quant) of the builder.
 QUANTIZED = {
