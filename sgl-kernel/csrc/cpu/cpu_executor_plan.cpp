@@ -24,7 +24,8 @@ namespace sglk {
 void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                      at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
                      const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                     const OptTensorList& w2_scale_2);
+                     const OptTensorList& w2_scale_2, const OptTensorList& w13_bias, const OptTensorList& w2_bias,
+                     int64_t activation, double alpha, double limit);
 
 namespace {
 
@@ -67,7 +68,8 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
   {
     std::vector<at::Tensor> rows{staging_rows.narrow(0, 0, 0)};
     moe_experts_cpu(staging_hidden.narrow(0, 0, 0), staging_weights.narrow(0, 0, 0), rows, w13, w2,
-                    staging_out.narrow(0, 0, 0), false, format, w13_scale, w2_scale, w13_scale_2, w2_scale_2);
+                    staging_out.narrow(0, 0, 0), false, format, w13_scale, w2_scale, w13_scale_2, w2_scale_2,
+                    std::nullopt, std::nullopt, 0, 1.702, 7.0);
   }
   auto p = std::make_unique<MoePlan>();
   p->hidden = staging_hidden;
@@ -93,7 +95,8 @@ void moe_experts_cpu_run_plan(int64_t plan, int64_t tokens) {
               p.hidden.size(0), "] (the plan's staging rows), got ", tokens);
   std::vector<at::Tensor> rows{p.rows.narrow(0, 0, tokens)};
   moe_experts_cpu(p.hidden.narrow(0, 0, tokens), p.weights.narrow(0, 0, tokens), rows, p.w13, p.w2,
-                  p.out.narrow(0, 0, tokens), false, p.format, p.w13_scale, p.w2_scale, p.w13_scale_2, p.w2_scale_2);
+                  p.out.narrow(0, 0, tokens), false, p.format, p.w13_scale, p.w2_scale, p.w13_scale_2, p.w2_scale_2,
+                  std::nullopt, std::nullopt, 0, 1.702, 7.0);  // plans: no biases, SiLU (not yet)
 }
 
 }  // namespace sglk
