@@ -301,6 +301,59 @@ def test_epilogue_bit_identical_across_threads_splits_chunks(executor_isa, name,
     assert torch.equal(out, one)
 
 
+@pytest.mark.parametrize("name", ["swiglu_oai", "swiglu_limit"])
+def test_submit_and_plan_equal_a_direct_call(gpt_oss, name):
+    """The epilogue reaches moe_experts_cpu_submit and CpuBranchPlan (the CUDA branch's host
+    side) unchanged: the same bits as a direct call, on the gpt-oss MXFP4 banks."""
+    from sgl_kernel_fork.cpu_executor import (
+        CpuBranchPlan,
+        moe_experts_cpu_submit,
+        moe_experts_cpu_wait,
+    )
+
+    cfg, state = gpt_oss
+    x, idx, tw = gpt_oss_routing(cfg, state, 5, seed=3)
+    mx, _ = gpt_oss_banks(state)
+    act = ACTS[name]
+    want = run_gpt_oss(x, idx, tw, mx, "mxfp4", **act).float()
+    scales = dict(format="mxfp4", w13_scale=[mx["w13_scale"]], w2_scale=[mx["w2_scale"]])
+    bias = dict(w13_bias=[mx["w13_bias"]], w2_bias=[mx["w2_bias"]])
+    got = torch.empty_like(want)
+    h = moe_experts_cpu_submit(x, tw, [idx], [mx["w13"]], [mx["w2"]], got, **scales, **bias, **act)
+    moe_experts_cpu_wait(h)
+    assert torch.equal(got, want)
+    plan = CpuBranchPlan(
+        8,
+        idx.shape[1],
+        mx["w13"],
+        mx["w2"],
+        pin=False,
+        format="mxfp4",
+        w13_scale=mx["w13_scale"],
+        w2_scale=mx["w2_scale"],
+        w13_bias=mx["w13_bias"],
+        w2_bias=mx["w2_bias"],
+        **act,
+    )
+    plan.hidden[:5] = x
+    plan.weights[:5] = tw
+    plan.rows[:5] = idx
+    plan.run(5)
+    assert torch.equal(plan.out[:5], want)
+    with pytest.raises(RuntimeError, match=r"w2_bias\[0\] must be"):
+        CpuBranchPlan(
+            8,
+            4,
+            mx["w13"],
+            mx["w2"],
+            pin=False,
+            format="mxfp4",
+            w13_scale=mx["w13_scale"],
+            w2_scale=mx["w2_scale"],
+            w2_bias=mx["w2_bias"][:1].contiguous(),
+        )
+
+
 def test_default_silu_unchanged_by_zero_biases():
     """No bias banks and zero bias banks give the same bits (the default path is the old one:
     its own tests, test_kernel.py, check it against float64)."""

@@ -402,9 +402,12 @@ class CpuBranchPlan:
         pin: page-lock the staging tensors (needs CUDA; False for CPU-only tests).
         format, w13_scale, w2_scale, w13_scale_2, w2_scale_2: as for
             :func:`moe_experts_cpu`, single tensors (one bank set) or None.
+        w13_bias, w2_bias: the host pool's bias banks (``[N, 2*I]`` / ``[N, H]``, float32 or
+            bf16) or None; activation, alpha, limit: as for :func:`moe_experts_cpu`.
 
     Raises:
         RuntimeError: banks of the wrong dtype, layout or device (the executor's checks).
+        ValueError: an unknown activation or parameters it does not take.
     """
 
     def __init__(
@@ -419,6 +422,11 @@ class CpuBranchPlan:
         w2_scale=None,
         w13_scale_2=None,
         w2_scale_2=None,
+        w13_bias=None,
+        w2_bias=None,
+        activation: Union[str, int] = "silu",
+        alpha: Optional[float] = None,
+        limit: Optional[float] = None,
     ):
         H = w2.shape[1]
         alloc = dict(device="cpu", pin_memory=pin)
@@ -440,6 +448,9 @@ class CpuBranchPlan:
             [w2],
             self.out,
             *_quant_args(format, one(w13_scale), one(w2_scale), one(w13_scale_2), one(w2_scale_2)),
+            one(w13_bias),
+            one(w2_bias),
+            *activation_args(activation, alpha, limit),
         )
 
     def run(self, tokens: int) -> None:
