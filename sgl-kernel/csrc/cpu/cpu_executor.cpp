@@ -706,7 +706,9 @@ Epilogue epilogue(const OptTensorList& w13_bias, const OptTensorList& w2_bias, i
   auto vec = [](const OptTensorList& l) { return l ? l->vec() : std::vector<at::Tensor>{}; };
   ep.w13_bias = vec(w13_bias);
   ep.w2_bias = vec(w2_bias);
-  ep.act.code = static_cast<int32_t>(std::clamp<int64_t>(activation, -1, kActCount));
+  MOE_CHECK(activation >= 0 && activation < kActCount, "activation must be one of ", activation_values(), ", got ",
+            activation);
+  ep.act.code = static_cast<int32_t>(activation);
   ep.act.alpha = static_cast<float>(alpha);
   ep.act.limit = static_cast<float>(limit);
   return ep;
