@@ -382,7 +382,7 @@ def test_enumerations_come_from_the_op_library():
             ValueError, match="--expert-cache-policy must be one of qstar, fill, cpu"
         ):
             control.MissPolicy.parse(bad)
-    with pytest.raises(RuntimeError, match="miss_policy, stat or expert_format"):
+    with pytest.raises(RuntimeError, match="miss_policy, stat, expert_format or expert_activation"):
         torch.ops.sgl_kernel.expert_cache_enum("colour")
     op, _ = fresh()
     # 3 distinct misses, 1 fill (qstar at ratio 0.2 rounds 0.6 up to 1), then a hit.

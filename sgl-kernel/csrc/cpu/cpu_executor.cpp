@@ -5,7 +5,9 @@
 //   moe_experts_cpu(hidden [T,H] bf16, topk_weights [T,K] f32,
 //                   expert_rows[S] of [T,K] i32, w13[S] of [N_i,2I,H] bf16,
 //                   w2[S] of [N_i,H,I] bf16, out [T,H] f32, accumulate,
-//                   format = bf16, w13_scale[S], w2_scale[S], w13_scale_2[S], w2_scale_2[S])
+//                   format = bf16, w13_scale[S], w2_scale[S], w13_scale_2[S], w2_scale_2[S],
+//                   w13_bias[S] of [N_i,2I] f32|bf16, w2_bias[S] of [N_i,H] f32|bf16,
+//                   activation = silu, alpha = 1.702, limit = 7.0)
 //
 // Quantized formats (fp8, mxfp4, nvfp4; isa/cpu_executor_args.h): the banks hold the layer
 // quant method's per-expert tensors as upstream creates them, and the weights are decoded in
@@ -15,8 +17,14 @@
 // For each token t, result[t] = sum_{k=0..K-1, in this order} topk_weights[t,k]
 // * expert(x[t]) over the (t,k) whose row is >= 0 in one set i (rows of -1 in
 // every set contribute nothing), with
-//   expert(x) = w2 @ h,  h = bf16(silu(g) * u),  g = w13[:I] @ x,  u = w13[I:] @ x,
-// g, u and the w2 dot in fp32 (bf16 x bf16 products are exact in fp32). The one
+//   expert(x) = w2 @ h + b2,  h = bf16(act(g, u)),  g = w13[:I] @ x + b13[:I],
+//   u = w13[I:] @ x + b13[I:],
+// g, u and the w2 dot in fp32 (bf16 x bf16 products are exact in fp32), the biases (if given;
+// zero otherwise) added in fp32 to the finished dots, act one of SGLK_EXPERT_ACTIVATIONS
+// (isa/cpu_executor_args.h: silu, gpt-oss's swiglu_oai, DeepSeek-V4's swiglu_limit). As in
+// transformers' GptOssExperts, b2 is added before the routing weight. Gate and up are the two
+// halves of w13 for every activation: checkpoints that interleave them (gpt-oss) are
+// de-interleaved once where the banks are loaded (expert_cache/formats.py). The one
 // rounding to bf16 is of h, the input of the down projection (as in SGLang's
 // bf16 MoE, and needed by vdpbf16ps). out = out + result if accumulate, else
 // result.
@@ -44,6 +52,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -136,12 +145,19 @@ struct QuantBanks {
   std::vector<at::Tensor> w13_scale, w2_scale, w13_scale_2, w2_scale_2;
 };
 
+// The epilogue: per-set bias banks (empty lists: no bias) and the activation.
+struct Epilogue {
+  std::vector<at::Tensor> w13_bias, w2_bias;  // [N_i, 2I] / [N_i, H], float32 or bfloat16
+  Activation act{kAct_silu, 1.702f, 7.0f};
+};
+
 // State shared by the chunk jobs of one call. Holds references to the tensors
 // (and the scratch) until the waiting thread releases the jobs.
 struct MoeCall {
   at::Tensor hidden, topk, out;
   std::vector<at::Tensor> rows, w13, w2;
   QuantBanks q;
+  Epilogue ep;
   int64_t T = 0, K = 0, H = 0, I = 0;
   int64_t XH = 0, XI = 0;  // quantized formats: floats per prepared x / h row
   bool accumulate = false;
@@ -162,7 +178,21 @@ struct Expert {
   int32_t first;               // first grouped position
   int32_t count;               // tokens routed to it in this chunk
   QuantMatrix gate, up, down;  // quantized formats: the expert's three matrices
+  int64_t bias = -1;           // offset of its fp32 biases [2I + H] in the job's bias_, or -1
 };
+
+// bias row r of a [N, n] float32 / bfloat16 bank, as fp32, into dst[0, n)
+static void bias_row_f32(const at::Tensor& b, int64_t r, int64_t n, float* dst) {
+  if (b.scalar_type() == at::kFloat) {
+    std::memcpy(dst, b.data_ptr<float>() + r * n, 4 * n);
+  } else {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(b.data_ptr()) + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+  }
+}
 
 struct Item {
   int32_t kind;  // 1: gate/up block, 2: w2 row block, 3: k-sum block
@@ -233,6 +263,13 @@ class MoeChunkJob final : public ItemJob {
           ex.w2 = reinterpret_cast<const uint16_t*>(c.w2[s].data_ptr()) + r * H * I;
         } else {
           quant_matrices(c, s, r, ex);
+        }
+        if (!c.ep.w13_bias.empty() || !c.ep.w2_bias.empty()) {
+          // the expert's biases as fp32 [gate+up 2I | down H] (zeros for a missing bank)
+          ex.bias = static_cast<int64_t>(bias_.size());
+          bias_.resize(bias_.size() + 2 * I + H, 0.0f);
+          if (!c.ep.w13_bias.empty()) bias_row_f32(c.ep.w13_bias[s], r, 2 * I, bias_.data() + ex.bias);
+          if (!c.ep.w2_bias.empty()) bias_row_f32(c.ep.w2_bias[s], r, H, bias_.data() + ex.bias + 2 * I);
         }
         experts_.push_back(ex);
       }
@@ -327,9 +364,18 @@ class MoeChunkJob final : public ItemJob {
       for (int64_t t = 0; t < m; ++t) yp[t] = U + t * nj;
       k.dot_q(&ex.up, I + j0, nj, x, m, H, yp.data());
     }
+    if (ex.bias >= 0) {  // fp32 adds to the finished dots: the same value in any tile or split
+      const float* bg = bias_.data() + ex.bias + j0;
+      const float* bu = bias_.data() + ex.bias + I + j0;
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t j = 0; j < nj; ++j) {
+          G[t * nj + j] += bg[j];
+          U[t * nj + j] += bu[j];
+        }
+    }
     for (int64_t t = 0; t < m; ++t) {
       uint16_t* h = c.hbuf + (ex.first + t) * I;
-      k.silu_mul_bf16(G + t * nj, U + t * nj, nj, h + j0);
+      k.glu_bf16(G + t * nj, U + t * nj, nj, &c.ep.act, h + j0);
       if (c.q.format != kFormat_bf16) quant_prep_x(c.q.format, h, j0, j0 + nj, I, false, hfp_[ex.first + t]);
     }
   }
@@ -346,6 +392,11 @@ class MoeChunkJob final : public ItemJob {
       c.kern->dot_tile(ex.w2 + r0 * I, I, it.b1 - it.b0, hp_.data() + ex.first, m, I, yp.data());
     else
       c.kern->dot_q(&ex.down, r0, it.b1 - it.b0, hfp_.data() + ex.first, m, I, yp.data());
+    if (ex.bias >= 0) {  // the down bias, before the routing weight (transformers' GptOssExperts)
+      const float* b2 = bias_.data() + ex.bias + 2 * I + r0;
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t r = 0; r < it.b1 - it.b0; ++r) yp[t][r] += b2[r];
+    }
   }
 
   void reduce(const Item& it) {
@@ -374,6 +425,7 @@ class MoeChunkJob final : public ItemJob {
   std::vector<const float*> xfp_;    // quantized: grouped position -> its x in dot_q's layout
   std::vector<float*> hfp_;          // quantized: grouped position -> its h in dot_q's layout
   std::vector<int32_t> local_;       // grouped position -> entry index in the chunk
+  std::vector<float> bias_;          // per expert with biases: fp32 [2I + H] (Expert::bias)
   std::vector<Item> items_;
   std::unique_ptr<int32_t[]> p1_total_;
   std::unique_ptr<std::atomic<int32_t>[]> p1_done_;
@@ -394,6 +446,18 @@ std::string format_values() {
   ++value;
   SGLK_EXPERT_FORMATS(SGLK_EXPERT_FORMAT_VALUE)
 #undef SGLK_EXPERT_FORMAT_VALUE
+  return out;
+}
+
+// "silu (0), swiglu_oai (1), ...": the activations' names and codes, for error messages.
+std::string activation_values() {
+  std::string out;
+  int value = 0;
+#define SGLK_EXPERT_ACTIVATION_VALUE(name)                                              \
+  out += (value ? ", " : "") + std::string(#name) + " (" + std::to_string(value) + ")"; \
+  ++value;
+  SGLK_EXPERT_ACTIVATIONS(SGLK_EXPERT_ACTIVATION_VALUE)
+#undef SGLK_EXPERT_ACTIVATION_VALUE
   return out;
 }
 
@@ -450,12 +514,29 @@ void check_quant_set(const QuantBanks& q, size_t i, const at::Tensor& a, const a
   }
 }
 
+// The bias banks of set i (if given): [N, 2I] and [N, H], float32 or bfloat16, contiguous CPU.
+void check_epilogue_set(const Epilogue& ep, size_t i, int64_t N, int64_t H, int64_t I) {
+  auto check = [&](const std::vector<at::Tensor>& l, const char* arg, int64_t n, const char* what) {
+    if (l.empty()) return;
+    const at::Tensor& b = l[i];
+    MOE_CHECK(b.device().is_cpu() && (b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16) &&
+                  b.dim() == 2 && b.size(0) == N && b.size(1) == n,
+              arg, "[", i, "] must be a [N_", i, ", ", what, "] = [", N, ", ", n,
+              "] float32 or bfloat16 CPU tensor (N_i as w13[i]), got ", b.scalar_type(), " ", b.sizes(), " on ",
+              b.device());
+    MOE_CHECK(b.is_contiguous(), arg, "[", i, "] must be contiguous (make the bias bank contiguous once at load time)");
+  };
+  check(ep.w13_bias, "w13_bias", 2 * I, "2*I (gate biases then up biases)");
+  check(ep.w2_bias, "w2_bias", H, "H");
+}
+
 // Validates the arguments, resolves each (t,k) to its set and row, and splits
 // the tokens into chunk jobs. Returns the jobs (empty when T == 0).
 std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const at::Tensor& topk_weights,
                                                 const std::vector<at::Tensor>& expert_rows,
                                                 const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2,
-                                                const at::Tensor& out, bool accumulate, const QuantBanks& q) {
+                                                const at::Tensor& out, bool accumulate, const QuantBanks& q,
+                                                const Epilogue& ep) {
   const size_t S = expert_rows.size();
   MOE_CHECK(S >= 1 && w13.size() == S && w2.size() == S,
             "expert_rows, w13 and w2 must be lists of the same length >= 1 (one entry per bank set), got lengths ",
@@ -472,6 +553,15 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
       hidden.device().is_cpu() && hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous(),
       "hidden must be a contiguous 2-D [T, H] bfloat16 CPU tensor, got ", hidden.scalar_type(), " ", hidden.sizes(),
       hidden.is_contiguous() ? "" : " (not contiguous)", " on ", hidden.device());
+  MOE_CHECK(ep.w13_bias.empty() || ep.w13_bias.size() == S, "w13_bias must be None or one tensor per bank set (", S,
+            " sets), got ", ep.w13_bias.size());
+  MOE_CHECK(ep.w2_bias.empty() || ep.w2_bias.size() == S, "w2_bias must be None or one tensor per bank set (", S,
+            " sets), got ", ep.w2_bias.size());
+  MOE_CHECK(ep.act.code >= 0 && ep.act.code < kActCount, "activation must be one of ", activation_values(), ", got ",
+            ep.act.code);
+  MOE_CHECK(ep.act.code == kAct_silu || (std::isfinite(ep.act.limit) && ep.act.limit > 0.0f),
+            "limit must be a finite number > 0 for the clamped activations, got ", ep.act.limit);
+  MOE_CHECK(ep.act.code != kAct_swiglu_oai || std::isfinite(ep.act.alpha), "alpha must be finite, got ", ep.act.alpha);
   const int64_t T = hidden.size(0), H = hidden.size(1);
   MOE_CHECK(topk_weights.device().is_cpu() && topk_weights.dim() == 2 && topk_weights.scalar_type() == at::kFloat &&
                 topk_weights.size(0) == T,
@@ -493,6 +583,7 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
   c.topk = topk_weights.contiguous();
   c.out = out;
   c.q = q;
+  c.ep = ep;
   c.T = T;
   c.K = K;
   c.H = H;
@@ -528,6 +619,7 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
     MOE_CHECK(r.device().is_cpu() && r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == T && r.size(1) == K,
               "expert_rows[", i, "] must be a [T, K] = [", T, ", ", K, "] int32 CPU tensor (K as topk_weights), got ",
               r.scalar_type(), " ", r.sizes());
+    check_epilogue_set(ep, i, N[i], H, I);
     c.rows.push_back(r.contiguous());
     c.w13.push_back(a);
     c.w2.push_back(b);
@@ -608,12 +700,28 @@ QuantBanks quant_banks(int64_t format, const OptTensorList& w13_scale, const Opt
   return q;
 }
 
+Epilogue epilogue(const OptTensorList& w13_bias, const OptTensorList& w2_bias, int64_t activation, double alpha,
+                  double limit) {
+  Epilogue ep;
+  auto vec = [](const OptTensorList& l) { return l ? l->vec() : std::vector<at::Tensor>{}; };
+  ep.w13_bias = vec(w13_bias);
+  ep.w2_bias = vec(w2_bias);
+  MOE_CHECK(activation >= 0 && activation < kActCount, "activation must be one of ", activation_values(), ", got ",
+            activation);
+  ep.act.code = static_cast<int32_t>(activation);
+  ep.act.alpha = static_cast<float>(alpha);
+  ep.act.limit = static_cast<float>(limit);
+  return ep;
+}
+
 void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                      at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
                      const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                     const OptTensorList& w2_scale_2) {
+                     const OptTensorList& w2_scale_2, const OptTensorList& w13_bias, const OptTensorList& w2_bias,
+                     int64_t activation, double alpha, double limit) {
   auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate,
-                        quant_banks(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2));
+                        quant_banks(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2),
+                        epilogue(w13_bias, w2_bias, activation, alpha, limit));
   if (jobs.empty()) return;
   ExpertPool& pool = ExpertPool::get();
   wait_and_release(pool, pool.submit(std::move(jobs)));
@@ -622,9 +730,12 @@ void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, a
 int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                                at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate,
                                int64_t format, const OptTensorList& w13_scale, const OptTensorList& w2_scale,
-                               const OptTensorList& w13_scale_2, const OptTensorList& w2_scale_2) {
+                               const OptTensorList& w13_scale_2, const OptTensorList& w2_scale_2,
+                               const OptTensorList& w13_bias, const OptTensorList& w2_bias, int64_t activation,
+                               double alpha, double limit) {
   auto jobs = make_jobs(hidden, topk_weights, expert_rows.vec(), w13.vec(), w2.vec(), out, accumulate,
-                        quant_banks(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2));
+                        quant_banks(format, w13_scale, w2_scale, w13_scale_2, w2_scale_2),
+                        epilogue(w13_bias, w2_bias, activation, alpha, limit));
   return ExpertPool::get().submit(std::move(jobs));
 }
 
@@ -638,6 +749,12 @@ int64_t expert_pool_set_threads(int64_t n) {
 }
 
 std::string expert_pool_info() { return ExpertPool::get().info(); }
+
+std::vector<std::string> expert_activation_names() {
+#define SGLK_EXPERT_ACTIVATION_NAME(name) #name,
+  return {SGLK_EXPERT_ACTIVATIONS(SGLK_EXPERT_ACTIVATION_NAME)};
+#undef SGLK_EXPERT_ACTIVATION_NAME
+}
 
 std::vector<std::string> expert_format_names() {
 #define SGLK_EXPERT_FORMAT_NAME(name) #name,

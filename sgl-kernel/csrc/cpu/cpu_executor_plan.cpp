@@ -24,7 +24,8 @@ namespace sglk {
 void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                      at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
                      const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                     const OptTensorList& w2_scale_2);
+                     const OptTensorList& w2_scale_2, const OptTensorList& w13_bias, const OptTensorList& w2_bias,
+                     int64_t activation, double alpha, double limit);
 
 namespace {
 
@@ -33,6 +34,9 @@ struct MoePlan {
   std::vector<at::Tensor> w13, w2;
   int64_t format = 0;
   std::vector<at::Tensor> w13_scale, w2_scale, w13_scale_2, w2_scale_2;
+  std::optional<std::vector<at::Tensor>> w13_bias, w2_bias;  // the epilogue (cpu_executor.cpp)
+  int64_t activation = 0;
+  double alpha = 1.702, limit = 7.0;
 };
 
 std::mutex g_plans_mu;
@@ -51,7 +55,8 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
                              const at::Tensor& staging_rows, at::TensorList w13, at::TensorList w2,
                              const at::Tensor& staging_out, int64_t format, const OptTensorList& w13_scale,
                              const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                             const OptTensorList& w2_scale_2) {
+                             const OptTensorList& w2_scale_2, const OptTensorList& w13_bias,
+                             const OptTensorList& w2_bias, int64_t activation, double alpha, double limit) {
   TORCH_CHECK(
       staging_hidden.dim() == 2 && staging_weights.dim() == 2 && staging_rows.dim() == 2 && staging_out.dim() == 2,
       "moe_experts_cpu_plan: staging tensors must be 2-D ([Tmax, H], [Tmax, K], [Tmax, K], [Tmax, H])");
@@ -67,7 +72,8 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
   {
     std::vector<at::Tensor> rows{staging_rows.narrow(0, 0, 0)};
     moe_experts_cpu(staging_hidden.narrow(0, 0, 0), staging_weights.narrow(0, 0, 0), rows, w13, w2,
-                    staging_out.narrow(0, 0, 0), false, format, w13_scale, w2_scale, w13_scale_2, w2_scale_2);
+                    staging_out.narrow(0, 0, 0), false, format, w13_scale, w2_scale, w13_scale_2, w2_scale_2, w13_bias,
+                    w2_bias, activation, alpha, limit);
   }
   auto p = std::make_unique<MoePlan>();
   p->hidden = staging_hidden;
@@ -82,6 +88,11 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
   p->w2_scale = vec(w2_scale);
   p->w13_scale_2 = vec(w13_scale_2);
   p->w2_scale_2 = vec(w2_scale_2);
+  if (w13_bias) p->w13_bias = w13_bias->vec();
+  if (w2_bias) p->w2_bias = w2_bias->vec();
+  p->activation = activation;
+  p->alpha = alpha;
+  p->limit = limit;
   std::lock_guard<std::mutex> lock(g_plans_mu);
   g_plans.push_back(std::move(p));
   return static_cast<int64_t>(g_plans.size()) - 1;
@@ -93,7 +104,9 @@ void moe_experts_cpu_run_plan(int64_t plan, int64_t tokens) {
               p.hidden.size(0), "] (the plan's staging rows), got ", tokens);
   std::vector<at::Tensor> rows{p.rows.narrow(0, 0, tokens)};
   moe_experts_cpu(p.hidden.narrow(0, 0, tokens), p.weights.narrow(0, 0, tokens), rows, p.w13, p.w2,
-                  p.out.narrow(0, 0, tokens), false, p.format, p.w13_scale, p.w2_scale, p.w13_scale_2, p.w2_scale_2);
+                  p.out.narrow(0, 0, tokens), false, p.format, p.w13_scale, p.w2_scale, p.w13_scale_2, p.w2_scale_2,
+                  p.w13_bias ? OptTensorList(*p.w13_bias) : std::nullopt,
+                  p.w2_bias ? OptTensorList(*p.w2_bias) : std::nullopt, p.activation, p.alpha, p.limit);
 }
 
 }  // namespace sglk

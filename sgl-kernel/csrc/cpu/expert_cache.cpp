@@ -319,18 +319,22 @@ void expert_bank_copy_cpu(const std::vector<at::Tensor>& src_banks, const std::v
     at::parallel_for(0, q * nb, 1, copy);
 }
 
-std::vector<std::string> expert_format_names();  // cpu_executor.cpp
+std::vector<std::string> expert_format_names();      // cpu_executor.cpp
+std::vector<std::string> expert_activation_names();  // cpu_executor.cpp
 
 // The names of one enumeration in value order: "miss_policy" or "stat" (the order of `counts`
 // and `stats`) of csrc/shared/expert_cache.h, or "expert_format" (the CPU executor's `format`
-// codes, SGLK_EXPERT_FORMATS of isa/cpu_executor_args.h).
+// codes, SGLK_EXPERT_FORMATS of isa/cpu_executor_args.h) or "expert_activation" (its
+// `activation` codes, SGLK_EXPERT_ACTIVATIONS).
 std::vector<std::string> expert_cache_enum(const std::string& kind) {
   if (kind == "expert_format") return expert_format_names();
+  if (kind == "expert_activation") return expert_activation_names();
 #define SGLK_EXPERT_CACHE_NAME(name) #name,
   if (kind == "miss_policy") return {SGLK_EXPERT_CACHE_MISS_POLICIES(SGLK_EXPERT_CACHE_NAME)};
   if (kind == "stat") return {SGLK_EXPERT_CACHE_STATS(SGLK_EXPERT_CACHE_NAME)};
 #undef SGLK_EXPERT_CACHE_NAME
-  TORCH_CHECK(false, "expert_cache_enum: kind must be miss_policy, stat or expert_format, got '", kind, "'");
+  TORCH_CHECK(false, "expert_cache_enum: kind must be miss_policy, stat, expert_format or expert_activation, got '",
+              kind, "'");
 }
 
 // [E, F] limits of the CUDA control kernel, for the host-side startup checks.

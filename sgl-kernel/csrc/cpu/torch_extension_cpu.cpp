@@ -57,11 +57,14 @@ at::Tensor murmur_hash32_cpu(const at::Tensor& seed, const at::Tensor& positions
 void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                      at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
                      const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                     const OptTensorList& w2_scale_2);
+                     const OptTensorList& w2_scale_2, const OptTensorList& w13_bias, const OptTensorList& w2_bias,
+                     int64_t activation, double alpha, double limit);
 int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                                at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate,
                                int64_t format, const OptTensorList& w13_scale, const OptTensorList& w2_scale,
-                               const OptTensorList& w13_scale_2, const OptTensorList& w2_scale_2);
+                               const OptTensorList& w13_scale_2, const OptTensorList& w2_scale_2,
+                               const OptTensorList& w13_bias, const OptTensorList& w2_bias, int64_t activation,
+                               double alpha, double limit);
 void moe_experts_cpu_wait(int64_t handle);
 int64_t expert_pool_set_threads(int64_t n);
 std::string expert_pool_info();
@@ -69,7 +72,8 @@ int64_t moe_experts_cpu_plan(const at::Tensor& staging_hidden, const at::Tensor&
                              const at::Tensor& staging_rows, at::TensorList w13, at::TensorList w2,
                              const at::Tensor& staging_out, int64_t format, const OptTensorList& w13_scale,
                              const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                             const OptTensorList& w2_scale_2);
+                             const OptTensorList& w2_scale_2, const OptTensorList& w13_bias,
+                             const OptTensorList& w2_bias, int64_t activation, double alpha, double limit);
 void moe_experts_cpu_run_plan(int64_t plan, int64_t tokens);
 double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes);
 
@@ -128,15 +132,18 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor");
 
   // CPU executor (python/sgl_kernel_fork/cpu_executor.py); `format` is a code of
-  // SGLK_EXPERT_FORMATS (isa/cpu_executor_args.h), expert_cache_enum("expert_format") its names
+  // SGLK_EXPERT_FORMATS (isa/cpu_executor_args.h), expert_cache_enum("expert_format") its names;
+  // `activation` one of SGLK_EXPERT_ACTIVATIONS, expert_cache_enum("expert_activation")
   m.def(
       "moe_experts_cpu(Tensor hidden, Tensor topk_weights, Tensor[] expert_rows, Tensor[] w13, Tensor[] w2, "
       "Tensor(a!) out, bool accumulate, int format=0, Tensor[]? w13_scale=None, Tensor[]? w2_scale=None, "
-      "Tensor[]? w13_scale_2=None, Tensor[]? w2_scale_2=None) -> ()");
+      "Tensor[]? w13_scale_2=None, Tensor[]? w2_scale_2=None, Tensor[]? w13_bias=None, Tensor[]? w2_bias=None, "
+      "int activation=0, float alpha=1.702, float limit=7.0) -> ()");
   m.def(
       "moe_experts_cpu_submit(Tensor hidden, Tensor topk_weights, Tensor[] expert_rows, Tensor[] w13, Tensor[] w2, "
       "Tensor(a!) out, bool accumulate, int format=0, Tensor[]? w13_scale=None, Tensor[]? w2_scale=None, "
-      "Tensor[]? w13_scale_2=None, Tensor[]? w2_scale_2=None) -> int");
+      "Tensor[]? w13_scale_2=None, Tensor[]? w2_scale_2=None, Tensor[]? w13_bias=None, Tensor[]? w2_bias=None, "
+      "int activation=0, float alpha=1.702, float limit=7.0) -> int");
   m.def("moe_experts_cpu_wait(int handle) -> ()", &sglk::moe_experts_cpu_wait);
   m.def("expert_pool_set_threads(int n) -> int", &sglk::expert_pool_set_threads);
   m.def("expert_pool_info() -> str", &sglk::expert_pool_info);
@@ -145,7 +152,8 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def(
       "moe_experts_cpu_plan(Tensor staging_hidden, Tensor staging_weights, Tensor staging_rows, Tensor[] w13, "
       "Tensor[] w2, Tensor staging_out, int format=0, Tensor[]? w13_scale=None, Tensor[]? w2_scale=None, "
-      "Tensor[]? w13_scale_2=None, Tensor[]? w2_scale_2=None) -> int");
+      "Tensor[]? w13_scale_2=None, Tensor[]? w2_scale_2=None, Tensor[]? w13_bias=None, Tensor[]? w2_bias=None, "
+      "int activation=0, float alpha=1.702, float limit=7.0) -> int");
   m.def("moe_experts_cpu_run_plan(int plan, int tokens) -> ()", &sglk::moe_experts_cpu_run_plan);
   m.def(
       "moe_experts_cpu_enqueue(Tensor hidden, Tensor topk_weights, Tensor cpu_rows, int plan, Tensor(b!) "

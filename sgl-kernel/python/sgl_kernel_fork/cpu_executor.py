@@ -12,16 +12,34 @@ every other op by ``sgl_kernel_fork.cpu_isa()`` / ``SGLANG_CPU_KERNEL_ISA``).
 Formula, per token ``t`` (``x = hidden[t]``)::
 
     result[t] = sum over k = 0..K-1, in this order, of topk_weights[t, k] * expert(x)
-    expert(x) = w2[r] @ h,   h = bf16(silu(g) * u),
-    g = w13[r, :I] @ x,      u = w13[r, I:] @ x
+    expert(x) = w2[r] @ h + b2[r],   h = bf16(act(g, u)),
+    g = w13[r, :I] @ x + b13[r, :I],  u = w13[r, I:] @ x + b13[r, I:]
 
 where ``r = expert_rows[i][t, k]`` for the one set ``i`` in which it is ``>= 0``
 (entries that are -1 in every set contribute nothing). ``g``, ``u``, the down
 projection and the k-sum are float32 (bf16 x bf16 products are exact in
-float32); the one rounding to bfloat16 is of ``h``, the input of the down
+float32); the biases (``w13_bias`` / ``w2_bias``, zero when not given) are added in float32
+to the finished dots, the down bias before the routing weight (transformers'
+``GptOssExperts``). The one rounding to bfloat16 is of ``h``, the input of the down
 projection (as SGLang's bf16 MoE does, and as ``vdpbf16ps`` needs). The k-sum
 is ``r = fma(w_k, y_k, r)`` from ``r = 0``; then ``out = out + r`` if
 ``accumulate`` else ``out = r``.
+
+Activations (``activation``; names from ``SGLK_EXPERT_ACTIVATIONS``, :func:`expert_activations`)::
+
+    silu          act(g, u) = silu(g) * u                        (default; SGLang's SiluAndMul)
+    swiglu_oai    g' = min(g, limit), u' = clamp(u, -limit, limit)
+                  act(g, u) = (u' + 1) * g' * sigmoid(alpha * g')  (gpt-oss; transformers'
+                                                                  GptOssExperts._apply_gate,
+                                                                  alpha 1.702, limit 7.0)
+    swiglu_limit  act(g, u) = silu(min(g, limit)) * clamp(u, -limit, limit)
+                                                                 (DeepSeek-V4's swiglu_limit;
+                                                                  upstream swiglu_limit_func)
+
+Gate and up are always the two halves of ``w13`` (rows ``[0, I)`` and ``[I, 2I)``); a checkpoint
+that interleaves them (gpt-oss: even rows gate, odd rows up) is de-interleaved once when its banks
+are built (``sglang.srt.layers.moe.expert_cache.formats.deinterleave_gate_up``), weights, scales
+and biases alike, so the kernels have one layout.
 
 Exactness: for one ISA level, the output is bit-identical whatever the thread
 count, however the (t, k) entries are split over sets (or banks), and however
@@ -69,7 +87,8 @@ sleeping. Scratch per call: ``T*K*(4*H + 2*I)`` bytes, in token chunks of at
 most ``SGLANG_CPU_EXPERT_SCRATCH_MB`` (default 64) MB, cached between calls.
 """
 
-from typing import Sequence, Union
+import math
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -98,6 +117,74 @@ def format_code(fmt: Union[str, int]) -> int:
     return names.index(fmt)
 
 
+def expert_activations() -> list:
+    """The ``activation`` names in code order (``silu``, ``swiglu_oai``, ``swiglu_limit``), from
+    ``SGLK_EXPERT_ACTIVATIONS`` in ``csrc/cpu/isa/cpu_executor_args.h``."""
+    return list(_ops.expert_cache_enum("expert_activation"))
+
+
+SWIGLU_OAI_ALPHA = 1.702  # gpt-oss (transformers' GptOssConfig.swiglu_alpha)
+SWIGLU_OAI_LIMIT = 7.0  # gpt-oss (config.json swiglu_limit)
+
+
+def activation_args(
+    activation: Union[str, int] = "silu",
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
+) -> Tuple[int, float, float]:
+    """The op's ``(activation, alpha, limit)`` for an activation of :func:`expert_activations`.
+
+    ``swiglu_oai`` defaults to gpt-oss's ``alpha = 1.702``, ``limit = 7.0``; ``swiglu_limit``
+    needs ``limit`` (DeepSeek-V4's ``swiglu_limit``) and takes no ``alpha``; ``silu`` takes
+    neither. An int ``activation`` is an op code with the op's values (what this function
+    returns): only checked, so a resolved triple passes through unchanged.
+
+    Raises:
+        ValueError: an unknown name or code, a parameter the activation does not take, a
+            missing ``limit`` for ``swiglu_limit``, or a ``limit`` that is not finite and > 0.
+    """
+    names = expert_activations()
+    if isinstance(activation, int):  # the op's own values (e.g. from activation_args): checked only
+        if not 0 <= activation < len(names):
+            raise ValueError(
+                f"activation code {activation} is not one of 0..{len(names) - 1} ({names})"
+            )
+        alpha = SWIGLU_OAI_ALPHA if alpha is None else float(alpha)
+        limit = SWIGLU_OAI_LIMIT if limit is None else float(limit)
+        if names[activation] != "silu" and not (math.isfinite(limit) and limit > 0):
+            raise ValueError(f"limit must be finite and > 0, got {limit}")
+        if not math.isfinite(alpha):
+            raise ValueError(f"alpha must be finite, got {alpha}")
+        return activation, alpha, limit
+    if activation not in names:
+        raise ValueError(
+            f"unknown activation {activation!r}; the CPU executor computes {', '.join(names)}"
+        )
+    if activation == "silu":
+        if alpha is not None or limit is not None:
+            raise ValueError(
+                "activation 'silu' takes no alpha / limit; use 'swiglu_oai' or 'swiglu_limit'"
+            )
+        return names.index("silu"), SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+    if activation == "swiglu_limit":
+        if alpha is not None:
+            raise ValueError(
+                "activation 'swiglu_limit' takes no alpha (it is silu with clamps); use 'swiglu_oai'"
+            )
+        if limit is None:
+            raise ValueError(
+                "activation 'swiglu_limit' needs limit (the model config's swiglu_limit)"
+            )
+        alpha = SWIGLU_OAI_ALPHA
+    alpha = SWIGLU_OAI_ALPHA if alpha is None else float(alpha)
+    limit = SWIGLU_OAI_LIMIT if limit is None else float(limit)
+    if not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"limit must be finite and > 0, got {limit}")
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be finite, got {alpha}")
+    return names.index(activation), alpha, limit
+
+
 def _call_args(a: dict) -> tuple:
     """The op's positional arguments from the Python signature's values ``a``."""
     return (
@@ -109,6 +196,9 @@ def _call_args(a: dict) -> tuple:
         a["out"],
         a["accumulate"],
         *_quant_args(a["format"], a["w13_scale"], a["w2_scale"], a["w13_scale_2"], a["w2_scale_2"]),
+        list(a["w13_bias"]),
+        list(a["w2_bias"]),
+        *activation_args(a["activation"], a["alpha"], a["limit"]),
     )
 
 
@@ -131,6 +221,8 @@ __all__ = [
     "expert_pool_read_bandwidth",
     "expert_formats",
     "format_code",
+    "expert_activations",
+    "activation_args",
     "CpuBranchPlan",
 ]
 
@@ -148,6 +240,11 @@ def moe_experts_cpu(
     w2_scale: Sequence[torch.Tensor] = (),
     w13_scale_2: Sequence[torch.Tensor] = (),
     w2_scale_2: Sequence[torch.Tensor] = (),
+    w13_bias: Sequence[torch.Tensor] = (),
+    w2_bias: Sequence[torch.Tensor] = (),
+    activation: Union[str, int] = "silu",
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
 ) -> None:
     """Routed experts on the CPU pool; blocks until ``out`` is written.
 
@@ -172,6 +269,10 @@ def moe_experts_cpu(
         w13_scale, w2_scale: one scale bank per set for a quantized format
             (empty for bf16).
         w13_scale_2, w2_scale_2: nvfp4 only: one global-scale tensor per set.
+        w13_bias: empty (no bias) or one ``[N_i, 2*I]`` float32 or bfloat16 contiguous bank per
+            set: the gate biases then the up biases (de-interleaved like ``w13``).
+        w2_bias: empty or one ``[N_i, H]`` float32 or bfloat16 contiguous bank per set.
+        activation, alpha, limit: the gated activation (module doc; :func:`activation_args`).
 
     Raises:
         RuntimeError: naming the argument to fix, for a wrong dtype, device,
@@ -180,8 +281,10 @@ def moe_experts_cpu(
             from ``topk_weights``; a row outside ``[0, N_i)`` (other than -1); a
             (t, k) with rows in two sets; ``expert_rows``, ``w13`` and ``w2``
             of unequal lengths (or empty); scale lists that do not match the
-            format (one per set, none for bf16); an unknown format code.
-        ValueError: an unknown format name.
+            format (one per set, none for bf16); an unknown format code; bias lists that are
+            neither empty nor one per set, or a bias bank of the wrong shape / dtype.
+        ValueError: an unknown format name; an unknown activation or parameters it does not
+            take (:func:`activation_args`).
     """
     _ops.moe_experts_cpu(*_call_args(locals()))
 
@@ -199,6 +302,11 @@ def moe_experts_cpu_submit(
     w2_scale: Sequence[torch.Tensor] = (),
     w13_scale_2: Sequence[torch.Tensor] = (),
     w2_scale_2: Sequence[torch.Tensor] = (),
+    w13_bias: Sequence[torch.Tensor] = (),
+    w2_bias: Sequence[torch.Tensor] = (),
+    activation: Union[str, int] = "silu",
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
 ) -> int:
     """Starts :func:`moe_experts_cpu` on the pool and returns at once.
 
@@ -294,9 +402,12 @@ class CpuBranchPlan:
         pin: page-lock the staging tensors (needs CUDA; False for CPU-only tests).
         format, w13_scale, w2_scale, w13_scale_2, w2_scale_2: as for
             :func:`moe_experts_cpu`, single tensors (one bank set) or None.
+        w13_bias, w2_bias: the host pool's bias banks (``[N, 2*I]`` / ``[N, H]``, float32 or
+            bf16) or None; activation, alpha, limit: as for :func:`moe_experts_cpu`.
 
     Raises:
         RuntimeError: banks of the wrong dtype, layout or device (the executor's checks).
+        ValueError: an unknown activation or parameters it does not take.
     """
 
     def __init__(
@@ -311,6 +422,11 @@ class CpuBranchPlan:
         w2_scale=None,
         w13_scale_2=None,
         w2_scale_2=None,
+        w13_bias=None,
+        w2_bias=None,
+        activation: Union[str, int] = "silu",
+        alpha: Optional[float] = None,
+        limit: Optional[float] = None,
     ):
         H = w2.shape[1]
         alloc = dict(device="cpu", pin_memory=pin)
@@ -332,6 +448,9 @@ class CpuBranchPlan:
             [w2],
             self.out,
             *_quant_args(format, one(w13_scale), one(w2_scale), one(w13_scale_2), one(w2_scale_2)),
+            one(w13_bias),
+            one(w2_bias),
+            *activation_args(activation, alpha, limit),
         )
 
     def run(self, tokens: int) -> None:

@@ -119,6 +119,39 @@ def gpt_oss_moe_reference(x, state: dict, prefix: str, top_k: int, limit: float 
     logits = x @ state[prefix + "router.weight"].double().T + state[prefix + "router.bias"].double()
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)
     weights = torch.softmax(top_val, dim=-1)
+    return gpt_oss_experts_reference(x, state, prefix, top_idx, weights, limit)
+
+
+def gpt_oss_experts_reference(
+    x,
+    state: dict,
+    prefix: str,
+    top_idx,
+    weights,
+    limit: float = SWIGLU_LIMIT,
+    alpha: float = SWIGLU_ALPHA,
+):
+    """float64 expert part of :func:`gpt_oss_moe_reference`, for a given routing.
+
+    ``out[t] = sum_j weights[t, j] * (W2[e] @ h + b2[e])`` with ``e = top_idx[t, j]``,
+    ``gu = W13[e] @ x[t] + b13[e]`` (rows interleaved: gate ``gu[0::2]``, up ``gu[1::2]``),
+    ``h = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')``, ``g' = min(g, limit)``
+    (transformers' ``GptOssExperts``), W dequantized from the checkpoint's MXFP4 blocks.
+
+    Args:
+        x: [T, H] float tensor.
+        state, prefix: as :func:`gpt_oss_moe_reference`.
+        top_idx: [T, K] integer expert ids; weights: [T, K] float routing weights.
+        limit, alpha: ``swiglu_limit`` / ``swiglu_alpha``.
+
+    Returns:
+        [T, H] float64.
+    """
+    import torch
+
+    x = x.double()
+    weights = weights.double()
+    top_k = top_idx.shape[1]
     e = prefix + "experts."
     w13 = mxfp4_dequantize(state[e + "gate_up_proj_blocks"], state[e + "gate_up_proj_scales"])
     w2 = mxfp4_dequantize(state[e + "down_proj_blocks"], state[e + "down_proj_scales"])
@@ -129,6 +162,6 @@ def gpt_oss_moe_reference(x, state: dict, prefix: str, top_k: int, limit: float 
             k = int(top_idx[t, j])
             gu = w13[k].double() @ x[t] + b13[k]
             g, u = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
-            h = (u + 1) * g * torch.sigmoid(SWIGLU_ALPHA * g)
+            h = (u + 1) * g * torch.sigmoid(alpha * g)
             out[t] += weights[t, j] * (w2[k].double() @ h + b2[k])
     return out

@@ -12,7 +12,7 @@
 //    row/column inside the tile: one accumulator per (row, column), chunks of
 //    the vector width in index order, a zero-padded last chunk, then one fixed
 //    horizontal reduction;
-//  * silu_mul_bf16 and weighted_sum are element-wise and give the same value
+//  * glu_bf16 and weighted_sum are element-wise and give the same value
 //    for an element wherever it falls in the range (tails are computed through
 //    zero-padded full vectors, never through a different scalar formula);
 //  * dot_q is dot_tile for a quantized weight matrix: one accumulator per
@@ -41,6 +41,26 @@ namespace sglk {
 #define SGLK_EXPERT_FORMAT_ENUMERATOR(name) kFormat_##name,
 enum ExpertFormatCode : int32_t { SGLK_EXPERT_FORMATS(SGLK_EXPERT_FORMAT_ENUMERATOR) kFormatCount };
 #undef SGLK_EXPERT_FORMAT_ENUMERATOR
+
+// The gated activation of the expert MLP, h = act(g, u) (the op's `activation` argument, in code
+// order; Python reads the names through expert_cache_enum("expert_activation")):
+//   silu          h = silu(g) * u                                  (SGLang's SiluAndMul)
+//   swiglu_oai    g' = min(g, limit), u' = clamp(u, -limit, limit),
+//                 h = (u' + 1) * g' * sigmoid(alpha * g')          (gpt-oss: transformers'
+//                                                                   GptOssExperts._apply_gate)
+//   swiglu_limit  h = silu(min(g, limit)) * clamp(u, -limit, limit) (DeepSeek-V4's swiglu_limit:
+//                                                                   upstream swiglu_limit_func)
+// g and u are the gate and up halves (w13 rows [0, I) and [I, 2I)), their biases added.
+#define SGLK_EXPERT_ACTIVATIONS(X) X(silu) X(swiglu_oai) X(swiglu_limit)
+#define SGLK_EXPERT_ACTIVATION_ENUMERATOR(name) kAct_##name,
+enum ExpertActivationCode : int32_t { SGLK_EXPERT_ACTIVATIONS(SGLK_EXPERT_ACTIVATION_ENUMERATOR) kActCount };
+#undef SGLK_EXPERT_ACTIVATION_ENUMERATOR
+
+struct Activation {
+  int32_t code;  // ExpertActivationCode
+  float alpha;   // swiglu_oai's sigmoid slope (gpt-oss: 1.702)
+  float limit;   // swiglu_oai / swiglu_limit clamp (gpt-oss: 7.0)
+};
 
 // Elements along K per scale group (fp8: the 128-wide block; its 128-row extent is kFp8Block too).
 static constexpr int64_t kFp8Block = 128;
@@ -91,9 +111,9 @@ struct CpuExecutorKernels {
   void (*dot_tile)(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16_t* const* x, int64_t cols, int64_t n,
                    float* const* y);
 
-  // h[i] = bf16(silu(g[i]) * u[i]) for i < n, silu(g) = g / (1 + exp(-g)) in
-  // fp32, rounded once to bf16 (nearest-even).
-  void (*silu_mul_bf16)(const float* g, const float* u, int64_t n, uint16_t* h);
+  // h[i] = bf16(act(g[i], u[i])) for i < n (act: the Activation above) in fp32, rounded once to
+  // bf16 (nearest-even); silu(g) = g / (1 + exp(-g)), sigmoid(z) = 1 / (1 + exp(-z)).
+  void (*glu_bf16)(const float* g, const float* u, int64_t n, const Activation* act, uint16_t* h);
 
   // r = 0; for k < nk: r = fma(ws[k], ys[k][i], r);  out[i] = accumulate ? out[i] + r : r
   // for i < n (k in order; fma is a single rounding on the SIMD levels).

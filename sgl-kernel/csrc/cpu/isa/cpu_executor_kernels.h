@@ -527,15 +527,42 @@ static inline void silu_mul_vec(const float* g, const float* u, uint16_t* h) {
   v_store_bf16(h, v_mul(s, v_load(u)));
 }
 
-static void silu_mul_bf16(const float* g, const float* u, int64_t n, uint16_t* h) {
+// gpt-oss's clamped SwiGLU: (u' + 1) * g' / (1 + exp(-alpha g')), g' = min(g, L),
+// u' = clamp(u, -L, L) (transformers: g' * sigmoid(alpha g'), the same value up to rounding).
+static inline void swiglu_oai_vec(const float* g, const float* u, vf alpha, vf limit, uint16_t* h) {
+  const vf gv = v_min(v_load(g), limit);
+  const vf uv = v_max(v_min(v_load(u), limit), v_sub(v_zero(), limit));
+  const vf s = v_div(gv, v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), v_mul(alpha, gv)))));
+  v_store_bf16(h, v_mul(s, v_add(uv, v_set1(1.0f))));
+}
+
+// DeepSeek-V4's swiglu_limit: silu(min(g, L)) * clamp(u, -L, L).
+static inline void swiglu_limit_vec(const float* g, const float* u, vf limit, uint16_t* h) {
+  const vf gv = v_min(v_load(g), limit);
+  const vf uv = v_max(v_min(v_load(u), limit), v_sub(v_zero(), limit));
+  const vf s = v_div(gv, v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), gv))));
+  v_store_bf16(h, v_mul(s, uv));
+}
+
+static inline void glu_vec(const float* g, const float* u, const Activation& a, uint16_t* h) {
+  if (a.code == kAct_swiglu_oai)
+    swiglu_oai_vec(g, u, v_set1(a.alpha), v_set1(a.limit), h);
+  else if (a.code == kAct_swiglu_limit)
+    swiglu_limit_vec(g, u, v_set1(a.limit), h);
+  else
+    silu_mul_vec(g, u, h);
+}
+
+static void glu_bf16(const float* g, const float* u, int64_t n, const Activation* act, uint16_t* h) {
+  const Activation a = *act;
   int64_t i = 0;
-  for (; i + VW <= n; i += VW) silu_mul_vec(g + i, u + i, h + i);
+  for (; i + VW <= n; i += VW) glu_vec(g + i, u + i, a, h + i);
   if (i < n) {  // through a zero-padded full vector: same lanes, same values
     float tg[VW] = {}, tu[VW] = {};
     uint16_t th[VW];
     __builtin_memcpy(tg, g + i, 4 * (n - i));
     __builtin_memcpy(tu, u + i, 4 * (n - i));
-    silu_mul_vec(tg, tu, th);
+    glu_vec(tg, tu, a, th);
     __builtin_memcpy(h + i, th, 2 * (n - i));
   }
 }
@@ -607,7 +634,7 @@ static const CpuExecutorKernels kTable = {
     "scalar fp32",
 #endif
     &dot_tile,
-    &silu_mul_bf16,
+    &glu_bf16,
     &weighted_sum,
     &dot_q,
     &stream_read,

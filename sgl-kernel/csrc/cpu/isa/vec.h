@@ -19,6 +19,8 @@ static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return _mm51
 static inline __attribute__((always_inline)) vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline __attribute__((always_inline)) vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline __attribute__((always_inline)) vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 // a * b + c
 static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline __attribute__((always_inline)) float v_hsum(vf x) { return _mm512_reduce_add_ps(x); }
@@ -71,6 +73,8 @@ static inline __attribute__((always_inline)) vf v_add(vf a, vf b) { return _mm25
 static inline __attribute__((always_inline)) vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline __attribute__((always_inline)) vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline __attribute__((always_inline)) vf v_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline __attribute__((always_inline)) vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline __attribute__((always_inline)) float v_hsum(vf x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -124,6 +128,9 @@ static inline vf v_add(vf a, vf b) { return a + b; }
 static inline vf v_sub(vf a, vf b) { return a - b; }
 static inline vf v_mul(vf a, vf b) { return a * b; }
 static inline vf v_div(vf a, vf b) { return a / b; }
+// as vminps / vmaxps: the second operand when the first is not smaller / larger (NaN included)
+static inline vf v_min(vf a, vf b) { return a < b ? a : b; }
+static inline vf v_max(vf a, vf b) { return a > b ? a : b; }
 static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline float v_hsum(vf x) { return x; }
 static inline vf v_load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }

@@ -200,12 +200,43 @@ class QuantExpertFormat(ExpertFormat):
         }
 
 
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Gate/up rows of an interleaved w13 tensor into the executor's halves layout.
+
+    gpt-oss checkpoints interleave the gate and up projections along the output rows (row
+    ``2i`` is gate row ``i``, row ``2i + 1`` up row ``i``: transformers'
+    ``GptOssExperts._apply_gate`` takes ``gate_up[..., ::2]`` and ``[..., 1::2]``); the CPU
+    executor reads gate rows ``[0, I)`` then up rows ``[I, 2I)`` (SGLang's ``w13_weight``). This
+    is the one place the layout changes: apply it, at load, to every per-row w13 tensor of such
+    a checkpoint (packed weights ``[E, 2I, ...]``, their per-row scales, and the bias
+    ``[E, 2I]``), never in a kernel. (Block-FP8 scales cover 128 rows each and cannot be
+    de-interleaved; no interleaved FP8 checkpoint exists.)
+
+    Args:
+        t: ``[E, 2I, ...]`` tensor of any dtype (dim 1 the interleaved rows).
+
+    Returns:
+        A new contiguous ``[E, 2I, ...]`` tensor: ``out[:, :I] = t[:, 0::2]``,
+        ``out[:, I:] = t[:, 1::2]``.
+
+    Raises:
+        ValueError: ``t`` has fewer than 2 dims or an odd dim 1.
+    """
+    if t.dim() < 2 or t.shape[1] % 2:
+        raise ValueError(
+            f"deinterleave_gate_up needs an [E, 2I, ...] tensor (even dim 1), got shape "
+            f"{tuple(t.shape)}"
+        )
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+
+
 def executor_args(fmt: ExpertFormat, sets: Sequence[Dict[str, torch.Tensor]]) -> dict:
     """Keyword arguments of ``moe_experts_cpu`` for bank sets ``sets`` (bank name -> tensor):
-    ``w13``, ``w2``, ``format`` and the format's scale lists."""
+    ``w13``, ``w2``, ``format``, the format's scale lists and the bias banks ``w13_bias``
+    [rows, 2I] / ``w2_bias`` [rows, H] the sets hold."""
     name = getattr(fmt, "executor_format", "bf16")
     kw = dict(w13=[s["w13"] for s in sets], w2=[s["w2"] for s in sets], format=name)
-    for key in ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"):
+    for key in ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2", "w13_bias", "w2_bias"):
         if sets and key in sets[0]:
             kw[key] = [s[key] for s in sets]
     return kw
