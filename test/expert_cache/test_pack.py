@@ -329,6 +329,22 @@ def test_fp8_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
         assert torch.equal(p, packed["params"][n]), n
 
 
+def test_nvfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
+    """The ModelOpt NVFP4 tiny model (``tiny_models --quant nvfp4``): the six banks (e2m1
+    weights, e4m3 block scales, the per-expert global scales of w13 and w2) and every other
+    parameter loaded from the pack are bit-identical to the checkpoint load."""
+    res, log = _pools(tmp_path_factory, "nvfp4", "--no-corrupt")
+    assert "loaded the host pool from the expert pack" in log
+    ckpt, packed = res["checkpoint"], res["pack"]
+    assert len(ckpt["banks"]) == 6, sorted(ckpt["banks"])
+    for name in ckpt["banks"]:
+        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
+        assert ckpt["banks"][name].any(), name
+    assert ckpt["params"].keys() == packed["params"].keys()
+    for n, p in ckpt["params"].items():
+        assert torch.equal(p, packed["params"][n]), n
+
+
 def test_pool_from_pack_bit_identical_to_checkpoint(model_results):
     res, log = model_results
     assert "loaded the host pool from the expert pack" in log
