@@ -1,7 +1,7 @@
 """The Mixtral-, OLMoE- and DeepSeek-V3-style tiny models (``--arch mixtral`` / ``olmoe`` /
 ``deepseek_v3``): config, tensor names, and transformers loading them with nothing missing or
 unexpected and routing as configured. The serving path is
-``test/e2e/test_expert_cache_{mixtral,olmoe,deepseek}.py``.
+``test/e2e/test_expert_cache_{mixtral_olmoe,deepseek}.py``.
 """
 
 import json
