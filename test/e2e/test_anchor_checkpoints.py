@@ -336,7 +336,7 @@ def runs():
     cases["resent_identical_prompt"] = (cases["openclaw_trailing_message"][1],) * 2
     modes = (
         ("off", ["--disable-anchor-checkpoints"]),
-        ("on", []),
+        ("on", ["--anchor-checkpoint-mode", "cut"]),
         ("emit", ["--anchor-checkpoint-mode", "emit"]),
     )
     for mode, extra in modes:

@@ -35,8 +35,9 @@ __all__ = [
 ]
 
 # --anchor-checkpoint-mode: cut ends prefill chunks at anchors (a pass ends there); emit lets
-# the chunks end where upstream ends them and writes the states inside the pass (emit.py).
-ANCHOR_MODES = ("cut", "emit")
+# the chunks end where upstream ends them and writes the states inside the pass (emit.py);
+# auto (the default) is emit where the CPU op runs it, otherwise cut.
+ANCHOR_MODES = ("auto", "cut", "emit")
 
 
 def want_no_buffer_strategy(view) -> bool:
@@ -83,7 +84,7 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
 
     Raises:
         ValueError: ``--anchor-checkpoint-min-gap`` below 1, ``--anchor-checkpoint-max-states``
-            0 or below -1, or an ``--anchor-checkpoint-mode`` other than cut / emit.
+            0 or below -1, or an ``--anchor-checkpoint-mode`` other than auto / cut / emit.
     """
     from sglang.srt.runtime_context import get_exec
 
@@ -99,16 +100,20 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
             "--anchor-checkpoint-max-states must be -1 (no cap) or a positive number, got "
             f"{mamba.anchor_checkpoint_max_states}"
         )
-    mode = getattr(mamba, "anchor_checkpoint_mode", "cut")
+    mode = getattr(mamba, "anchor_checkpoint_mode", "auto")
     if mode not in ANCHOR_MODES:
         raise ValueError(f"--anchor-checkpoint-mode must be one of {ANCHOR_MODES}, got {mode!r}")
-    emit = mode == "emit"
-    if emit and not _emit_supported():
+    emit = mode in ("auto", "emit") and _emit_supported()
+    if mode == "emit" and not emit:
         logger.warning(
             "Anchor checkpoints: --anchor-checkpoint-mode emit needs the CPU gated-DeltaNet op "
             "(the Triton chunk kernel does not emit states yet); cutting prefill chunks instead."
         )
-        emit = False
+    elif mode == "auto" and not emit:
+        logger.info(
+            "Anchor checkpoints: cutting prefill chunks at anchors (--anchor-checkpoint-mode "
+            "auto: writing the states inside the pass needs the CPU gated-DeltaNet op)."
+        )
     why_not = None
     from sglang.srt.runtime_context import get_schedule
 
