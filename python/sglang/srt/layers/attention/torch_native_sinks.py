@@ -218,6 +218,16 @@ def _layer_window(layer) -> Optional[int]:
     return w if w is not None and w > -1 else None
 
 
+def _check_self_attention(layer, forward_batch) -> None:
+    """Raise NotImplementedError for cross-attention or encoder offsets (no model with sinks
+    has them)."""
+    if layer.is_cross_attention or forward_batch.encoder_lens is not None:
+        raise NotImplementedError(
+            "attention sinks on torch_native support decoder self-attention only; "
+            "use another attention backend for encoder-decoder models with sinks"
+        )
+
+
 def extend_for_layer(backend, q, o, layer, forward_batch, sinks: torch.Tensor, causal: bool):
     """``TorchNativeAttnBackend.forward_extend`` for a layer with sinks (patch
     ``0011-gpt-oss-cpu``): :func:`extend_with_sinks` on the backend's pools.
@@ -227,11 +237,7 @@ def extend_for_layer(backend, q, o, layer, forward_batch, sinks: torch.Tensor, c
     Raises:
         NotImplementedError: cross-attention or encoder offsets (no model with sinks has them).
     """
-    if layer.is_cross_attention or forward_batch.encoder_lens is not None:
-        raise NotImplementedError(
-            "attention sinks on torch_native support decoder self-attention only; "
-            "use another attention backend for encoder-decoder models with sinks"
-        )
+    _check_self_attention(layer, forward_batch)
     pool = backend.token_to_kv_pool
     extend_with_sinks(
         q,
@@ -259,11 +265,7 @@ def decode_for_layer(backend, q, o, layer, forward_batch, sinks: torch.Tensor):
     Raises:
         NotImplementedError: cross-attention or encoder offsets.
     """
-    if layer.is_cross_attention or forward_batch.encoder_lens is not None:
-        raise NotImplementedError(
-            "attention sinks on torch_native support decoder self-attention only; "
-            "use another attention backend for encoder-decoder models with sinks"
-        )
+    _check_self_attention(layer, forward_batch)
     pool = backend.token_to_kv_pool
     decode_with_sinks(
         q,
