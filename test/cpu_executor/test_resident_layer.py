@@ -86,7 +86,9 @@ def test_biased_layer_matches_float64_reference_and_upstream_native():
     runs there, as upstream's loop runs it."""
     layer = make_layer()
     g = torch.Generator().manual_seed(5)
-    layer.w13_weight_bias = torch.nn.Parameter(torch.randn(12, 80, generator=g), requires_grad=False)
+    layer.w13_weight_bias = torch.nn.Parameter(
+        torch.randn(12, 80, generator=g), requires_grad=False
+    )
     layer.w2_weight_bias = torch.nn.Parameter(torch.randn(12, 96, generator=g), requires_grad=False)
     x, topk = make_routing()
     cfg = MoeRunnerConfig()

@@ -116,9 +116,7 @@ class ExpertSlotCache:
         self.activation = tuple(activation)
         name, alpha, limit = self.activation
         # the executor's keyword arguments (none for the default SiLU: the plain call)
-        self.act_kwargs = (
-            {} if name == "silu" else dict(activation=name, alpha=alpha, limit=limit)
-        )
+        self.act_kwargs = {} if name == "silu" else dict(activation=name, alpha=alpha, limit=limit)
         rows = num_layers * num_experts
         if host is None:
             host = ExpertBanks(self.format, hidden_size, intermediate_size, rows, "cpu")

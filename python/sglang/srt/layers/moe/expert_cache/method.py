@@ -193,9 +193,7 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         for spec in self.cache.host.specs:
             if "_scale" in spec.name:
                 rows = self.cache.host_rows(spec.name, self.layer_id)
-                missing += missing_scales(
-                    rows, spec, self.layer_id, fused=self.gate_up_interleaved
-                )
+                missing += missing_scales(rows, spec, self.layer_id, fused=self.gate_up_interleaved)
         if missing:
             more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
             scales = {
