@@ -203,7 +203,7 @@ def test_expert_cache_serves_mxfp4_as_accurately_as_stock(server_pool, hf):
     """``--enable-expert-cache`` with 8 of the 128 routed experts in slots: MXFP4 banks with
     biases and the clamped SwiGLU through the cache's hit / fill / CPU paths, as accurate
     against transformers float32 as the stock bf16 server (upstream's torch loop); greedy
-    decoding runs (16 tokens a prompt) and the counters show the q* split."""
+    decoding mostly follows the stock server's, and the counters show the q* split."""
     prompts = random_prompts()
     # the stock bf16 server first: the previous test's, still running (the pool keeps one)
     stock = greedy_with_logprobs(server_pool.get(ARCH).url, prompts, NEW_TOKENS)
@@ -213,6 +213,12 @@ def test_expert_cache_serves_mxfp4_as_accurately_as_stock(server_pool, hf):
     cached = greedy_with_logprobs(cache.url, prompts, NEW_TOKENS)
     assert all(len(o["tokens"]) == NEW_TOKENS for o in cached)
     assert_split_happened(expert_cache_counters(cache.url), slots=8)
+    # Greedy tokens: the same model, but two bf16 kernels, so a near-tie may go either way and
+    # the continuations part (measured: 16, 9 and 16 of 16 equal to the stock server's).
+    same = [sum(a == b for a, b in zip(c["tokens"], s["tokens"])) for c, s in zip(cached, stock)]
+    print("greedy tokens equal to the stock server's:", same, "of", NEW_TOKENS)
+    assert all(c["tokens"][0] == s["tokens"][0] for c, s in zip(cached, stock)), same
+    assert sum(same) >= len(prompts) * NEW_TOKENS // 2, same
     assert_as_accurate_as_torch_loop(
         model_path(ARCH), prompts, native=stock, resident=cached, hf_model=hf
     )
