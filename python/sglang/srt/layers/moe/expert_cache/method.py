@@ -428,12 +428,13 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
 
 
 def expert_activation(cfg) -> Tuple[str, Optional[float], Optional[float]]:
-    """The CPU executor's ``(activation, alpha, limit)`` for a layer's ``MoeRunnerConfig``,
-    read as upstream's CPU path (``moe_forward_native``) reads it: ``silu`` gated with
-    ``gemm1_alpha`` and ``gemm1_clamp_limit`` is gpt-oss's clamped SwiGLU (``swiglu_oai``:
-    ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')``, ``g' = min(g, limit)``;
-    upstream's ``swiglu_gpt_oss_sigmoid_alpha``), ``silu`` with ``swiglu_limit`` the clamped
-    SiLU (``swiglu_limit``), plain gated ``silu`` the default.
+    """The CPU executor's ``(activation, alpha, limit)`` for a layer's ``MoeRunnerConfig``:
+    ``silu`` gated with ``gemm1_alpha`` and ``gemm1_clamp_limit`` is gpt-oss's clamped SwiGLU,
+    as upstream's CPU path reads it (``moe_forward_native`` -> ``swiglu_gpt_oss_sigmoid_alpha``;
+    the executor's ``swiglu_oai``: ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')``,
+    ``g' = min(g, limit)``); ``silu`` with ``swiglu_limit`` the clamped SiLU of upstream's
+    fused MoE (``swiglu_limit_func``; the executor's ``swiglu_limit``; ``moe_forward_native``
+    ignores it); plain gated ``silu`` the default.
 
     Raises:
         ValueError: an activation the executor does not compute (another activation, not
