@@ -41,6 +41,8 @@ CONFIGS = {
     "slots8_qstar": dict(expert_cache_size="8", expert_cache_policy="qstar"),
     "slots4_cpu": dict(expert_cache_size="4", expert_cache_policy="cpu"),
     "slots50pct_fill": dict(expert_cache_size="50%", expert_cache_policy="fill"),
+    # the prefill double buffer: passes of more than one token stream the layer into slots
+    "stream_forced": dict(expert_cache_size="100%", expert_cache_prefill_stream="force"),
 }
 PREFIX = f"model.layers.{LAYER}.mlp."
 EXPERTS = PREFIX + "experts."
@@ -188,6 +190,8 @@ def main() -> None:
             if flags:
                 result["pool"][name] = _pool_checks(method.cache, state, cfg.num_local_experts)
                 result["snapshot"][name] = method.cache.snapshot()
+                passes = method.cache.prefill_stream.passes
+                result["snapshot"][name]["streamed_passes"] = sum(passes.values())
     result.update(_references(cfg, state, xs))
 
     errors = {}

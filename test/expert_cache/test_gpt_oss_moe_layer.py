@@ -5,7 +5,7 @@ the expert-slot cache, at the layer level (no server).
 with upstream's ``Mxfp4Config`` from the tiny gpt-oss checkpoint (``tiny_models --arch
 gpt_oss``: openai/gpt-oss-20b's MXFP4 layout), loads it through upstream's own MXFP4 expert
 loader, without the cache and with it at several sizes (4 slots, one layer's top-k, to 100%) and
-policies. Checked:
+policies, and with the prefill double buffer forced on. Checked:
 
 * the host pool holds every per-expert tensor of ``Mxfp4MoEMethod.create_weights`` as banks
   (``w13``/``w2`` uint8 e2m1 codes, ``w13_scale``/``w2_scale`` uint8 e8m0 per 32, ``w13_bias``
@@ -29,7 +29,7 @@ import torch
 from moe_block_util import run_block_check
 
 SCRIPT = Path(__file__).with_name("gpt_oss_moe_block_check.py")
-CONFIGS = ("resident", "slots8_qstar", "slots4_cpu", "slots50pct_fill")
+CONFIGS = ("resident", "slots8_qstar", "slots4_cpu", "slots50pct_fill", "stream_forced")
 # bf16 activations, MXFP4 weights exact in fp32, fp32 accumulation and biases, h and the output
 # rounded to bf16 once each (test_epilogue.py's 3e-3 of max|ref| for the experts alone, plus the
 # output's rounding; measured 3.6e-3 max, 2.5e-3 mean). Upstream's stock loop rounds gate_up, h
@@ -92,6 +92,8 @@ def test_counters_show_the_split(block_results):
     assert s8["slots"] == 8 and s8["fills"] >= 1 and s8["cpu_experts"] >= 1
     assert s8["fills"] + s8["cpu_experts"] == s8["misses"]
     assert snap["slots4_cpu"]["fills"] == 0 and snap["slots4_cpu"]["cpu_experts"] >= 1
+    assert snap["stream_forced"]["streamed_passes"] == 4  # the calls of more than one token
+    assert snap["resident"]["streamed_passes"] == 0
 
 
 @pytest.mark.parametrize("config", CONFIGS)
