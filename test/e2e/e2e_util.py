@@ -230,16 +230,20 @@ def assert_as_accurate_as_torch_loop(
     native: list[dict],
     resident: list[dict],
     hf_class: str | None = None,
+    hf_model=None,
 ) -> None:
     """Input logprobs of the all-resident cache server (``resident``) and of the torch-loop
     server (``native``), as :func:`greedy_with_logprobs` returns them for ``prompts``, against
     transformers in float32 on ``model_dir``: the cache's |error| within ``MEAN_SLACK`` (mean),
     ``P95_SLACK`` (95th percentile) and ``MAX_SLACK`` (max) times the loop's. ``hf_class``:
-    the transformers model class the checkpoint must load as."""
+    the transformers model class the checkpoint must load as; ``hf_model``: the float32
+    transformers model to use instead of loading ``model_dir`` (e.g. gpt-oss dequantized)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_model
+    if hf is None:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if hf_class is not None:
         assert type(hf).__name__ == hf_class, type(hf).__name__
     err = {"native": [], "resident": []}

@@ -76,6 +76,57 @@ def test_modelopt_nvfp4_experts_are_served_on_the_cpu_only(monkeypatch):
         make_for_layer(_layer(), _nvfp4())
 
 
+def _mxfp4():
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
+
+    return Mxfp4MoEMethod.__new__(Mxfp4MoEMethod)
+
+
+GPT_OSS = dict(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)  # gpt_oss.py's FusedMoE arguments
+
+
+def test_gpt_oss_mxfp4_experts_get_the_cache_with_their_swiglu(monkeypatch):
+    import torch
+
+    _context(monkeypatch)
+    method = make_for_layer(_layer(params_dtype=torch.bfloat16, **GPT_OSS), _mxfp4())
+    assert (method.label, method.weight_block_size) == ("mxfp4", None)
+    assert method.activation == ("swiglu_oai", 1.702, 7.0)
+    assert method.gate_up_interleaved  # MoeRunnerConfig.gate_up_interleaved's default
+    method = make_for_layer(_layer(gate_up_interleaved=False, **GPT_OSS), _mxfp4())
+    assert not method.gate_up_interleaved
+    _context(monkeypatch, device="cuda")
+    with pytest.raises(RuntimeError, match="MXFP4 experts in GPU slots are not supported yet"):
+        make_for_layer(_layer(**GPT_OSS), _mxfp4())
+    _context(monkeypatch)
+    with pytest.raises(RuntimeError, match="runs in float32: serve it with --dtype bfloat16"):
+        make_for_layer(_layer(params_dtype=torch.float32, **GPT_OSS), _mxfp4())
+
+
+@pytest.mark.parametrize(
+    "cfg,want",
+    [
+        ({}, ("silu", None, None)),
+        (GPT_OSS, ("swiglu_oai", 1.702, 7.0)),
+        (dict(swiglu_limit=10.0), ("swiglu_limit", None, 10.0)),
+        (dict(gemm1_alpha=1.702), "needs gemm1_clamp_limit"),
+        (dict(gemm1_clamp_limit=7.0), "without gemm1_alpha is not supported"),
+        (dict(gemm1_beta=1.0, **GPT_OSS), "gemm1_beta are not supported"),
+        (dict(activation="gelu"), "only gated SiLU experts"),
+        (dict(is_gated=False), "only gated SiLU experts"),
+    ],
+)
+def test_expert_activation_reads_the_runner_config(cfg, want):
+    from sglang.srt.layers.moe.expert_cache.method import expert_activation
+
+    runner = MoeRunnerConfig(**{"activation": "silu", **cfg})
+    if isinstance(want, tuple):
+        assert expert_activation(runner) == want
+    else:
+        with pytest.raises(ValueError, match=want):
+            expert_activation(runner)
+
+
 def test_every_problem_is_listed_with_what_to_change(monkeypatch):
     _context(monkeypatch, tp=2, paged=True, expert_cache_max_fills=0)
     layer = _layer(activation="gelu", apply_router_weight_on_input=True)

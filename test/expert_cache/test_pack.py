@@ -289,11 +289,11 @@ def test_checkpoint_load_progress_logged_once(caplog):
     assert "2 routed expert tensors, 0.00 GB" in lines[0] and "GB/s" in lines[0]
 
 
-def _pools(tmp_path_factory, quant, *flags):
+def _pools(tmp_path_factory, quant, *flags, arch="qwen3_moe"):
     from sglang.test.tiny_models import build
 
-    tmp = tmp_path_factory.mktemp(f"pack_model_{quant or 'bf16'}")
-    model = build("qwen3_moe", tmp / "qwen3-moe-tiny", quant=quant)
+    tmp = tmp_path_factory.mktemp(f"pack_model_{arch}_{quant or 'bf16'}")
+    model = build(arch, tmp / f"{arch}-tiny", quant=quant)
     out = tmp / "pools.pt"
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", TORCHDYNAMO_DISABLE="1")
     env.pop(fmt.PACK_ENV, None)
@@ -337,6 +337,23 @@ def test_nvfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
     assert "loaded the host pool from the expert pack" in log
     ckpt, packed = res["checkpoint"], res["pack"]
     assert len(ckpt["banks"]) == 6, sorted(ckpt["banks"])
+    for name in ckpt["banks"]:
+        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
+        assert ckpt["banks"][name].any(), name
+    assert ckpt["params"].keys() == packed["params"].keys()
+    for n, p in ckpt["params"].items():
+        assert torch.equal(p, packed["params"][n]), n
+
+
+def test_gpt_oss_mxfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
+    """The tiny gpt-oss (MXFP4 as released, ``tiny_models --arch gpt_oss``): the six banks
+    (e2m1 codes, e8m0 scales, gate/up and down biases, w13 tensors de-interleaved by the
+    checkpoint's loaders) and every other parameter loaded from the pack are bit-identical to
+    the checkpoint load: a pack is read without a second de-interleave."""
+    res, log = _pools(tmp_path_factory, None, "--no-corrupt", arch="gpt_oss")
+    assert "loaded the host pool from the expert pack" in log
+    ckpt, packed = res["checkpoint"], res["pack"]
+    assert sorted(ckpt["banks"]) == ["w13", "w13_bias", "w13_scale", "w2", "w2_bias", "w2_scale"]
     for name in ckpt["banks"]:
         assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
         assert ckpt["banks"][name].any(), name

@@ -12,8 +12,8 @@ layers here instead: one ``sgl_kernel.moe_experts_cpu`` call over the layer's ow
 at load) and worker pool that the expert-slot cache uses for its CPU misses
 (``layers/moe/expert_cache/``).
 
-Numerics: per (token, expert) the gate and up projections accumulate in fp32, ``silu(g) * u`` is
-rounded to bf16 once, the down projection accumulates in fp32 and the top-k sum is taken in k
+Numerics: per (token, expert) the gate and up projections accumulate in fp32 (plus the layer's
+``w13_weight_bias`` in fp32 when it has one), ``silu(g) * u`` is rounded to bf16 once, the down projection accumulates in fp32 (plus ``w2_weight_bias``) and the top-k sum is taken in k
 order in fp32, then rounded to bf16 (``moe_forward_native`` rounds every intermediate to bf16).
 Like ``moe_forward_native``, the layer call leaves ``routed_scaling_factor`` to the model.
 
@@ -74,12 +74,9 @@ def _config_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
     if moe_runner_config.apply_router_weight_on_input:
         return "router weight applied on the input"
     if moe_runner_config.gemm1_alpha is not None or moe_runner_config.gemm1_clamp_limit is not None:
-        return "gemm1 alpha / clamp"
-    if (
-        getattr(layer, "w13_weight_bias", None) is not None
-        or getattr(layer, "w2_weight_bias", None) is not None
-    ):
-        return "expert biases"
+        # upstream's loop runs gpt-oss's clamped SwiGLU on interleaved gate/up rows
+        # (swiglu_gpt_oss_sigmoid_alpha); only the expert cache's pool de-interleaves them
+        return "gemm1 alpha / clamp (gpt-oss's SwiGLU on interleaved rows)"
     if getattr(getattr(layer, "quant_method", None), "w13_swiglu_interleaved", False):
         return "interleaved gate/up rows"
     return None
@@ -132,18 +129,31 @@ def cpu_executor_forward(
     if unsupported_reason(layer, x, moe_runner_config) is not None:
         return None
     topk_weights, topk_ids = topk_output[0], topk_output[1]
-    w13, w2 = layer.w13_weight, layer.w2_weight
-    out = torch.empty(x.shape[0], w2.shape[1], dtype=torch.float32)
-    _executor_op()(
-        x.contiguous(),
-        topk_weights.to(torch.float32).contiguous(),
-        [topk_ids.to(torch.int32).contiguous()],
-        [w13],
-        [w2],
-        out,
-        False,
-    )
-    return out.to(x.dtype)
+    banks = _bias_banks(layer, {"w13": layer.w13_weight, "w2": layer.w2_weight})
+    if len(banks) == 2:
+        out = torch.empty(x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32)
+        _executor_op()(
+            x.contiguous(),
+            topk_weights.to(torch.float32).contiguous(),
+            [topk_ids.to(torch.int32).contiguous()],
+            [banks["w13"]],
+            [banks["w2"]],
+            out,
+            False,
+        )
+        return out.to(x.dtype)
+    return _quant_forward("bf16", banks, x, topk_output)
+
+
+def _bias_banks(layer: torch.nn.Module, banks: dict) -> dict:
+    """``banks`` plus the layer's ``w13_weight_bias`` [E, 2I] / ``w2_weight_bias`` [E, H]
+    (float32 or bf16; added in fp32 by the executor) as ``w13_bias`` / ``w2_bias``, where the
+    layer has them."""
+    for name in ("w13", "w2"):
+        bias = getattr(layer, f"{name}_weight_bias", None)
+        if bias is not None:
+            banks[f"{name}_bias"] = bias.data.contiguous()
+    return banks
 
 
 def fp8_cpu_executor_forward(
@@ -176,7 +186,7 @@ def fp8_cpu_executor_forward(
         "w13_scale": layer.w13_weight_scale_inv,
         "w2_scale": layer.w2_weight_scale_inv,
     }
-    return _quant_forward("block-FP8", banks, x, topk_output)
+    return _quant_forward("block-FP8", _bias_banks(layer, banks), x, topk_output)
 
 
 def nvfp4_cpu_executor_forward(
@@ -209,7 +219,7 @@ def nvfp4_cpu_executor_forward(
         "w13_scale_2": layer.w13_weight_scale_2,
         "w2_scale_2": layer.w2_weight_scale_2,
     }
-    return _quant_forward("NVFP4", banks, x, topk_output)
+    return _quant_forward("NVFP4", _bias_banks(layer, banks), x, topk_output)
 
 
 def _quant_forward(label: str, banks: dict, x: torch.Tensor, topk_output) -> torch.Tensor:

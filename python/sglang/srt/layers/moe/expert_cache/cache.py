@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -80,6 +80,10 @@ class ExpertSlotCache:
         host: an existing host pool of this shape to serve from instead of a new one (several
             caches over one filled pool, as the benchmarks build them); None = a new, empty
             pool that the model's weight loading fills through :meth:`host_rows`.
+        activation: the experts' gated activation as the CPU executor takes it, ``(name,
+            alpha, limit)`` (``method.expert_activation``: ``("silu", None, None)``, gpt-oss's
+            ``("swiglu_oai", 1.702, 7.0)``, ``("swiglu_limit", None, limit)``); the bias
+            banks, when the format has them, are part of every bank set.
 
     Raises:
         ValueError: unsupported expert dtype, or a ``host`` pool of another shape or format.
@@ -98,6 +102,7 @@ class ExpertSlotCache:
         device: torch.device | str,
         host: Optional[ExpertBanks] = None,
         fmt: Optional[ExpertFormat] = None,
+        activation: Tuple[str, Optional[float], Optional[float]] = ("silu", None, None),
     ):
         self.config = config
         self.policy = config.policy
@@ -108,6 +113,10 @@ class ExpertSlotCache:
         self.intermediate_size = intermediate_size
         self.device = torch.device(device)
         self.format = fmt if fmt is not None else format_for_dtype(dtype)
+        self.activation = tuple(activation)
+        name, alpha, limit = self.activation
+        # the executor's keyword arguments (none for the default SiLU: the plain call)
+        self.act_kwargs = {} if name == "silu" else dict(activation=name, alpha=alpha, limit=limit)
         rows = num_layers * num_experts
         if host is None:
             host = ExpertBanks(self.format, hidden_size, intermediate_size, rows, "cpu")
@@ -194,10 +203,10 @@ class ExpertSlotCache:
 
     # ------------------------------------------------------------------ setup
     def check_shape(
-        self, num_experts, top_k, hidden_size, intermediate_size, dtype, fmt=None
+        self, num_experts, top_k, hidden_size, intermediate_size, dtype, fmt=None, activation=None
     ) -> None:
-        """Raise ValueError unless a layer has the shape (and, when given, the expert format)
-        this cache was built for."""
+        """Raise ValueError unless a layer has the shape (and, when given, the expert format
+        and activation) this cache was built for."""
         got = (num_experts, top_k, hidden_size, intermediate_size, dtype)
         want = (
             self.num_experts,
@@ -208,6 +217,8 @@ class ExpertSlotCache:
         )
         if fmt is not None and fmt != self.format:
             got, want = got + (fmt.label,), want + (self.format.label,)
+        if activation is not None and tuple(activation) != self.activation:
+            got, want = got + (tuple(activation),), want + (self.activation,)
         if got != want:
             raise ValueError(
                 "--enable-expert-cache needs every MoE layer to have the same expert shape "
@@ -564,7 +575,12 @@ class ExpertSlotCache:
         t1 = self._timer()
         out = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
         run_experts_cpu(
-            x, weights, [routing.slot_ids, routing.cpu_ids], [self.slots, self.host], out
+            x,
+            weights,
+            [routing.slot_ids, routing.cpu_ids],
+            [self.slots, self.host],
+            out,
+            **self.act_kwargs,
         )
         self._observe(x.shape[0], routing.fills, t1 - t0, self._timer() - t1)
         if scale is not None:

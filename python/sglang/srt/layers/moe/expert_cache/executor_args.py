@@ -6,7 +6,9 @@ block-FP8 format adds its ``w13_scale`` / ``w2_scale`` banks (upstream ``Fp8MoEM
 ``w13_weight_scale_inv`` [rows, ceil(2I/128), ceil(H/128)] and ``w2_weight_scale_inv``
 [rows, ceil(H/128), ceil(I/128)], float32) as trailing scale lists; ModelOpt NVFP4
 (``ModelOptNvFp4FusedMoEMethod``: uint8 codes, ``w*_weight_scale`` float8_e4m3fn per 16) adds
-its global scales ``w13_scale_2`` [rows, 2] / ``w2_scale_2`` [rows] float32 as well. The format
+its global scales ``w13_scale_2`` [rows, 2] / ``w2_scale_2`` [rows] float32 as well; MXFP4
+(``Mxfp4MoEMethod``: uint8 codes, ``w*_weight_scale`` uint8 e8m0 per 32) only the two scale
+banks. The format
 follows from the banks a set holds (``formats.py`` has their table). Experts with biases
 (gpt-oss) hold ``w13_bias`` [rows, 2I] (gate then up, de-interleaved like ``w13``) and
 ``w2_bias`` [rows, H] banks, float32 or bf16, passed as ``w13_bias`` / ``w2_bias``; the gated
@@ -37,7 +39,8 @@ def executor_kwargs(
     """The executor's weight arguments for ``bank_sets``: ``w13``, ``w2`` (one bank per set)
     and, when the sets hold scale banks, ``format`` (the executor's code of ``fp8``, or of
     ``nvfp4`` when they hold global scales too) with ``w13_scale`` / ``w2_scale`` (and
-    ``w13_scale_2`` / ``w2_scale_2``); ``w13_bias`` / ``w2_bias`` when the sets hold bias banks
+    ``w13_scale_2`` / ``w2_scale_2``), or of ``mxfp4`` when the scales are uint8 (e8m0,
+    ``Mxfp4MoEMethod``); ``w13_bias`` / ``w2_bias`` when the sets hold bias banks
     (``w13_bias`` [rows, 2I], ``w2_bias`` [rows, H], float32 or bf16); ``activation``,
     ``alpha``, ``limit`` when the activation is not the default SiLU
     (``sgl_kernel_fork.cpu_executor.activation_args`` gives their meaning and defaults).
@@ -67,7 +70,10 @@ def executor_kwargs(
         scales = ("w13_scale", "w2_scale")
         if "w13_scale_2" in bank_sets[0]:
             scales += ("w13_scale_2", "w2_scale_2")
-        kw["format"] = format_code("nvfp4" if len(scales) == 4 else "fp8")
+            name = "nvfp4"
+        else:  # e8m0 scales are uint8 (MXFP4), block-FP8 scales float32
+            name = "mxfp4" if bank_sets[0]["w13_scale"].dtype == torch.uint8 else "fp8"
+        kw["format"] = format_code(name)
         kw.update({n: [b[n] for b in bank_sets] for n in scales})
     return kw
 

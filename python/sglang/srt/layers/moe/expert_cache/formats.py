@@ -16,6 +16,12 @@ nvfp4   ``ModelOptNvFp4FusedMoE``     as mxfp4, scales float8_e4m3fn per 16;    
                                       w13_scale_2, w2_scale_2: ``w*_weight_scale_2``
 ======  ============================  =============================================  =========
 
+gpt-oss's experts (``Mxfp4MoEMethod`` with ``with_bias``) add two bias banks to mxfp4's
+(:data:`MXFP4_BIASED`): ``w13_bias`` [2I] (``w13_weight_bias``) and ``w2_bias`` [H]
+(``w2_weight_bias``), bfloat16 as the method creates them. Their checkpoint interleaves the
+gate and up rows of every w13 tensor; the host pool holds them de-interleaved
+(:func:`deinterleave_gate_up`, applied by ``loading.deinterleaving_loader``).
+
 The layer's tensors are found as upstream's paged experts finds them (``expert_params``: the
 ``w13_`` / ``w2_`` parameters with one row per expert); :meth:`QuantExpertFormat.layer_tensors`
 maps them to bank names and says which one is missing. The dequantize references are what the
@@ -47,6 +53,7 @@ class QuantExpertFormat(ExpertFormat):
 
     name: str = ""
     group: int = 0
+    biases: bool = False  # per-expert bias banks w13_bias [2I] / w2_bias [H] (bf16)
 
     @property
     def quantized(self) -> bool:
@@ -86,6 +93,11 @@ class QuantExpertFormat(ExpertFormat):
             specs += (
                 BankSpec("w13_scale_2", "w13_weight_scale_2", (2,), torch.float32),
                 BankSpec("w2_scale_2", "w2_weight_scale_2", (), torch.float32),
+            )
+        if self.biases:
+            specs += (
+                BankSpec("w13_bias", "w13_weight_bias", (2 * i,), torch.bfloat16),
+                BankSpec("w2_bias", "w2_weight_bias", (h,), torch.bfloat16),
             )
         return specs
 
@@ -246,6 +258,10 @@ FP8 = QuantExpertFormat(
     label="fp8 (block 128x128)", dtype=torch.float8_e4m3fn, name="fp8", group=128
 )
 MXFP4 = QuantExpertFormat(label="mxfp4", dtype=torch.uint8, name="mxfp4", group=32)
+# gpt-oss as upstream's Mxfp4MoEMethod holds it: mxfp4 plus the bias banks.
+MXFP4_BIASED = QuantExpertFormat(
+    label="mxfp4", dtype=torch.uint8, name="mxfp4", group=32, biases=True
+)
 NVFP4 = QuantExpertFormat(label="nvfp4", dtype=torch.uint8, name="nvfp4", group=16)
 QUANT_FORMATS = {f.name: f for f in (FP8, MXFP4, NVFP4)}
 

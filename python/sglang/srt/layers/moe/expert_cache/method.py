@@ -15,7 +15,7 @@ the same device (:func:`output_scale`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
@@ -60,6 +60,8 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         top_k: int,
         num_layers: int,
         device,
+        activation: Tuple[str, Optional[float], Optional[float]] = ("silu", None, None),
+        gate_up_interleaved: bool = False,
     ):
         torch.nn.Module.__init__(self)
         self.base_method = base_method
@@ -68,6 +70,8 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.top_k = top_k
         self.num_layers = num_layers
         self.device = device
+        self.activation = activation  # (name, alpha, limit) of the executor (expert_activation)
+        self.gate_up_interleaved = gate_up_interleaved  # the checkpoint's w13 rows (gpt-oss)
         self.cache: Optional[ExpertSlotCache] = None
         self.moe_runner_config = None
         self.label, self.weight_block_size = expert_format_of(base_method)
@@ -86,21 +90,31 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         tensors (and their loaders and attributes) the layer has; each becomes a view of the
         layer's rows of a host-pool bank of the same shape and dtype, so the checkpoint loads
         straight into the pool in the base method's own layout (FP8 bytes and their scales
-        included).
+        included, and gpt-oss's bias banks). A checkpoint whose gate/up rows are interleaved
+        (gpt-oss) is de-interleaved by the loaders on its way into the pool
+        (:func:`loading.deinterleaving_loader`).
 
         Raises:
-            ValueError: biases, experts of another shape or format than the first MoE layer's,
-                or per-expert tensors the banks do not hold.
+            ValueError: biases on a format without bias banks, experts of another shape or
+                format than the first MoE layer's, or per-expert tensors the banks do not hold.
         """
         from sglang.srt.layers.moe.expert_cache.banks import (
             format_for_dtype,
             format_from_layer,
         )
-        from sglang.srt.layers.moe.expert_cache.loading import checked_loader
+        from sglang.srt.layers.moe.expert_cache.loading import (
+            checked_loader,
+            deinterleaving_loader,
+            fill_unloaded,
+        )
 
         global _CACHE
-        if with_bias:
-            raise ValueError("--enable-expert-cache does not support MoE layers with biases")
+        fmt = quant_format_of_label(self.label)
+        if with_bias and not (fmt is not None and fmt.biases):
+            raise ValueError(
+                f"--enable-expert-cache holds no bias banks for {self.label} experts (only for "
+                "MXFP4 ones, gpt-oss): serve this model without --enable-expert-cache"
+            )
         with torch.device("meta"):
             self.base_method.create_weights(
                 layer,
@@ -108,13 +122,10 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 hidden_size,
                 intermediate_size_per_partition,
                 params_dtype,
-                with_bias=False,
+                with_bias=with_bias,
                 **extra_weight_attrs,
             )
-        if self.label in QUANT_FORMATS_BY_LABEL:  # described by formats.py (nvfp4)
-            from sglang.srt.layers.moe.expert_cache.formats import QUANT_FORMATS
-
-            fmt = QUANT_FORMATS[QUANT_FORMATS_BY_LABEL[self.label]]
+        if fmt is not None:  # described by formats.py (nvfp4, mxfp4)
             fmt.check_layer(layer, num_experts, hidden_size, intermediate_size_per_partition)
             # FusedMoE.weight_loader follows the base method's layout (as for paged experts):
             # ModelOpt's per-tensor scales load by column (gate, up), not as blocks.
@@ -136,6 +147,7 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 dtype=params_dtype,
                 device=self.device,
                 fmt=fmt,
+                activation=self.activation,
             )
         else:
             _CACHE.check_shape(
@@ -145,24 +157,24 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 intermediate_size_per_partition,
                 params_dtype,
                 fmt,
+                activation=self.activation,
             )
         self.cache = _CACHE
         self.cache.register_layer(self.layer_id)
         for spec in self.cache.host.specs:
             meta = getattr(layer, spec.layer_param)
             rows = self.cache.host_rows(spec.name, self.layer_id)
-            if "_scale" in spec.name:
-                rows.fill_(float("nan"))  # unloaded scales stay NaN (loading.missing_scales)
+            fill_unloaded(rows, spec)  # scales: "missing" (loading.missing_scales); biases: 0
             param = torch.nn.Parameter(rows, requires_grad=False)
             param.__dict__.update(meta.__dict__)  # weight_loader and the method's attributes
             # (ModelOpt's parameters keep their loader behind a property: copied as an attribute)
             loader = getattr(meta, "weight_loader", None)
             if loader is not None:
-                param.weight_loader = (
-                    checked_loader(loader, spec, self.layer_id, fmt.label)
-                    if fmt.quantized
-                    else loader
-                )
+                if fmt.quantized:
+                    loader = checked_loader(loader, spec, self.layer_id, fmt.label)
+                if self.gate_up_interleaved:
+                    loader = deinterleaving_loader(loader, spec, self.layer_id, num_experts)
+                param.weight_loader = loader
             layer.register_parameter(spec.layer_param, param)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config):
@@ -181,12 +193,13 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         for spec in self.cache.host.specs:
             if "_scale" in spec.name:
                 rows = self.cache.host_rows(spec.name, self.layer_id)
-                missing += missing_scales(rows, spec, self.layer_id)
+                missing += missing_scales(rows, spec, self.layer_id, fused=self.gate_up_interleaved)
         if missing:
             more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
-            scales = {"nvfp4": "weight_scale and weight_scale_2"}.get(
-                self.label, "weight_scale_inv"
-            )
+            scales = {
+                "nvfp4": "weight_scale and weight_scale_2",
+                "mxfp4": "e8m0 scales (gate_up_proj_scales, down_proj_scales)",
+            }.get(self.label, "weight_scale_inv")
             raise ValueError(
                 f"{self.label} checkpoint without {', '.join(missing[:4])}{more}: every "
                 f"{self.label} expert weight needs its {scales} (re-export the checkpoint)"
@@ -267,10 +280,18 @@ SUPPORTED_FORMATS = {
     "unquantized (bf16/fp16)": "bf16",
     "block-quantized FP8": "fp8-block",
     "ModelOpt NVFP4": "nvfp4",
+    "MXFP4": "mxfp4",
 }
-# our label -> the ``formats.QUANT_FORMATS`` entry whose banks it has (formats whose banks
-# follow from H and I rather than from the layer's parameters).
-QUANT_FORMATS_BY_LABEL = {"nvfp4": "nvfp4"}
+
+
+def quant_format_of_label(label: str):
+    """The ``formats.py`` format whose banks experts of our ``label`` have, for the formats
+    whose banks follow from H and I rather than from the layer's parameters: ``nvfp4``
+    (``formats.NVFP4``), ``mxfp4`` (``formats.MXFP4_BIASED``: gpt-oss's experts with their
+    biases); None for the others (bf16, fp8-block: :func:`banks.format_from_layer`)."""
+    from sglang.srt.layers.moe.expert_cache import formats
+
+    return {"nvfp4": formats.NVFP4, "mxfp4": formats.MXFP4_BIASED}.get(label)
 
 
 def _materialize_other_params(layer, fmt, hidden_size: int, intermediate_size: int) -> None:
@@ -296,7 +317,8 @@ def expert_format_of(base_method, layer=None):
     """``(label, weight_block_size)`` of the experts ``base_method`` creates, as upstream's
     paged experts classifies methods (``paged_experts.formats.format_for``): ``("bf16",
     None)``, ``("fp8-block", (128, 128))`` (the checkpoint's ``weight_block_size``) or
-    ``("nvfp4", None)`` (ModelOpt NVFP4, groups of 16 along K).
+    ``("nvfp4", None)`` (ModelOpt NVFP4, groups of 16 along K) or ``("mxfp4", None)``
+    (``Mxfp4MoEMethod``, e8m0 scales per 32 along K).
 
     Raises:
         ValueError: a format the host pool does not hold; names it and the supported list.
@@ -312,7 +334,7 @@ def expert_format_of(base_method, layer=None):
             "the bf16 checkpoint or drop --enable-expert-cache (the host pool holds "
             f"{' and '.join(SUPPORTED_FORMATS.values())} experts)"
         )
-    if label in ("bf16", "nvfp4"):
+    if label in ("bf16", "nvfp4", "mxfp4"):
         return label, None
     return label, tuple(base_method.quant_config.weight_block_size)
 
@@ -347,17 +369,33 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
         label = None
-    if label == "nvfp4" and get_device().device != "cpu":
+    if label in ("nvfp4", "mxfp4") and get_device().device != "cpu":
         problems.append(
-            "NVFP4 experts in GPU slots are not supported yet (no slot-indexed NVFP4 kernel): "
-            "serve them on the CPU (--device cpu) or drop --enable-expert-cache"
+            f"{label.upper()} experts in GPU slots are not supported yet (no slot-indexed "
+            f"{label.upper()} kernel): serve them on the CPU (--device cpu) or drop "
+            "--enable-expert-cache"
         )
     cfg = layer.moe_runner_config
-    if cfg.activation != "silu" or not cfg.is_gated:
+    if label in ("fp8-block", "nvfp4", "mxfp4") and cfg.params_dtype not in (None, torch.bfloat16):
         problems.append(
-            f"only gated SiLU experts are supported (got {cfg.activation}, gated={cfg.is_gated}); "
-            "serve this model without --enable-expert-cache"
+            f"{label} experts run on bf16 activations, but the model runs in "
+            f"{str(cfg.params_dtype).removeprefix('torch.')}: serve it with --dtype bfloat16 "
+            "(or drop --enable-expert-cache)"
         )
+    try:
+        activation = expert_activation(cfg)
+    except ValueError as e:
+        problems.append(str(e))
+        activation = None
+    if activation not in (None, ("silu", None, None)) and get_device().device != "cpu":
+        problems.append(
+            f"{activation[0]} experts in GPU slots are not supported yet (the slot-table fused "
+            "MoE runs plain SiLU): serve them on the CPU (--device cpu) or drop "
+            "--enable-expert-cache"
+        )
+    # Upstream's MXFP4 layers read w13 with gate / up interleaved unless the config says
+    # otherwise (``gate_up_interleaved``, default True: gpt-oss); other methods in halves.
+    interleaved = label == "mxfp4" and bool(getattr(cfg, "gate_up_interleaved", True))
     if cfg.apply_router_weight_on_input:
         problems.append(
             "router weights applied on the input are not supported; serve this model without "
@@ -384,4 +422,44 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
         top_k=top_k,
         num_layers=text_config.num_hidden_layers,
         device=torch.device(get_device().device),
+        activation=activation,
+        gate_up_interleaved=interleaved,
     )
+
+
+def expert_activation(cfg) -> Tuple[str, Optional[float], Optional[float]]:
+    """The CPU executor's ``(activation, alpha, limit)`` for a layer's ``MoeRunnerConfig``:
+    ``silu`` gated with ``gemm1_alpha`` and ``gemm1_clamp_limit`` is gpt-oss's clamped SwiGLU,
+    as upstream's CPU path reads it (``moe_forward_native`` -> ``swiglu_gpt_oss_sigmoid_alpha``;
+    the executor's ``swiglu_oai``: ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')``,
+    ``g' = min(g, limit)``); ``silu`` with ``swiglu_limit`` the clamped SiLU of upstream's
+    fused MoE (``swiglu_limit_func``; the executor's ``swiglu_limit``; ``moe_forward_native``
+    ignores it); plain gated ``silu`` the default.
+
+    Raises:
+        ValueError: an activation the executor does not compute (another activation, not
+            gated, ``gemm1_beta``, an alpha without a clamp limit); says what to do.
+    """
+    what = "serve this model without --enable-expert-cache"
+    if cfg.activation != "silu" or not cfg.is_gated:
+        raise ValueError(
+            f"only gated SiLU experts are supported (got {cfg.activation}, gated="
+            f"{cfg.is_gated}; plain, gpt-oss's clamped SwiGLU or the clamped SiLU); {what}"
+        )
+    alpha = getattr(cfg, "gemm1_alpha", None)
+    clamp = getattr(cfg, "gemm1_clamp_limit", None)
+    limit = getattr(cfg, "swiglu_limit", None)
+    if getattr(cfg, "gemm1_beta", None) is not None:
+        raise ValueError(f"experts with gemm1_beta are not supported; {what}")
+    if alpha is not None:
+        if clamp is None or limit is not None:
+            raise ValueError(
+                f"gemm1_alpha {alpha} needs gemm1_clamp_limit (gpt-oss's clamped SwiGLU) and no "
+                f"swiglu_limit (got clamp {clamp}, swiglu_limit {limit}); {what}"
+            )
+        return "swiglu_oai", float(alpha), float(clamp)
+    if clamp is not None:
+        raise ValueError(f"gemm1_clamp_limit {clamp} without gemm1_alpha is not supported; {what}")
+    if limit is not None:
+        return "swiglu_limit", None, float(limit)
+    return "silu", None, None

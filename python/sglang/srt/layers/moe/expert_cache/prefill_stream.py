@@ -358,7 +358,7 @@ class PrefillStream:
             from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
 
             out = torch.empty(x.shape[0], c.hidden_size, dtype=torch.float32)
-            run_experts_cpu(x, weights, [slot_ids], [c.slots], out)
+            run_experts_cpu(x, weights, [slot_ids], [c.slots], out, **c.act_kwargs)
         if scale is not None:
             out.mul_(scale)
         c.tables.clock.add_(1)  # one layer call, as the control step counts them
