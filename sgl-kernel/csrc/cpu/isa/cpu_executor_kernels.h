@@ -432,11 +432,13 @@ static inline void fp4_decode(const uint8_t* p, fp4_table s, vf* out) {
 #endif
 
 // Rows per quantized tile for C tokens, per level (accumulators, tables and decoded weights
-// must fit the register file: 16 ymm on AVX2, 32 zmm on AVX-512).
+// must fit the register file: 16 ymm on AVX2, 32 zmm on AVX-512). On AVX-512 one token reads 8
+// rows at a time: with 4 the batch-1 fp8 dots ran at ~0.5 of the bf16 ones' bandwidth, with 8
+// at ~0.8 (benchmark/RESULTS.md, cpu_executor, quantized experts).
 template <int C>
 struct QuantRows {
 #if SGLK_ISA_LEVEL == 2
-  static constexpr int R = 4;
+  static constexpr int R = C == 1 ? 8 : 4;
 #elif SGLK_ISA_LEVEL == 1
   static constexpr int R = C == 1 ? 4 : 2;
 #else
@@ -534,10 +536,11 @@ static constexpr uint16_t kE2M1Bf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x400
                                            0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
                                            0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
 
-// Rows per tile of the bf16 4-bit dots (two decoded weight vectors and a scale vector per row).
+// Rows per tile of the bf16 4-bit dots (two decoded weight vectors and a scale vector per row;
+// one token: 8 rows, as QuantRows).
 template <int C>
 struct Fp4bRows {
-  static constexpr int R = C <= 2 ? 4 : 2;
+  static constexpr int R = C == 1 ? 8 : C == 2 ? 4 : 2;
 };
 
 // The 16 lanes' scales of step i (element offset) of a row with scale bytes s: lanes of group
