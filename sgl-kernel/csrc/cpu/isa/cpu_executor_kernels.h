@@ -334,7 +334,11 @@ static void dot_tile(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16
 //    the codes. AVX2 carries the sign in bit 3 of the code: each table entry is stored xor'ed
 //    with its index << 28 and the code << 28 is xor'ed back, which leaves the value with the
 //    code's sign bit. The weight is fp32(e2m1 * s) at every level, s = 2^(e - 127) (mxfp4) or
-//    fp32(fp8(scale) * global) (nvfp4).
+//    fp32(fp8(scale) * global) (nvfp4), read from a 256-entry table of the scale byte built once
+//    per dot_q call (fp4_scale_table).
+//  * 4-bit on avx512bf16: x in the bf16 layout, e2m1 codes looked up as bf16 (vpermw), the
+//    exact products of each group summed by vdpbf16ps, then scaled by one fma per group
+//    (qdot_micro_b): the weight is e2m1 itself, the scale applied to the group's dot.
 
 static const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
