@@ -12,7 +12,8 @@
 // Quantized formats (fp8, mxfp4, nvfp4; isa/cpu_executor_args.h): the banks hold the layer
 // quant method's per-expert tensors as upstream creates them, and the weights are decoded in
 // registers (weight-only: activations stay bf16, w13 / w2 entries below mean the dequantized
-// weights). The kernels read fp32 copies of x and h in dot_q's activation layout (per chunk).
+// weights). The kernels read copies of x and h in dot_q's activation layout (fp32, or bf16 for
+// avx512bf16's 4-bit dots), written per chunk by the table's prep_x.
 //
 // For each token t, result[t] = sum_{k=0..K-1, in this order} topk_weights[t,k]
 // * expert(x[t]) over the (t,k) whose row is >= 0 in one set i (rows of -1 in
@@ -280,11 +281,11 @@ class MoeChunkJob final : public ItemJob {
     }
     if (c.q.format != kFormat_bf16) {
       // x of every token of the chunk in dot_q's layout; the padding of the h rows
-      for (int64_t t = t0_; t < t1_; ++t) quant_prep_x(c.q.format, x + t * H, 0, H, H, true, c.xf + t * c.XH);
+      for (int64_t t = t0_; t < t1_; ++t) c.kern->prep_x(c.q.format, x + t * H, 0, H, H, 1, c.xf + t * c.XH);
       for (int64_t p = 0; p < n; ++p) {
         xfp_[p] = c.xf + (keys[p].entry / K) * c.XH;
         hfp_[p] = c.hf + p * c.XI;
-        for (int64_t i = I; i < c.XI; ++i) c.hf[p * c.XI + i] = 0.0f;
+        c.kern->prep_x(c.q.format, nullptr, I, I, I, 1, hfp_[p]);
       }
     }
     const int64_t ne = static_cast<int64_t>(experts_.size());
@@ -376,7 +377,7 @@ class MoeChunkJob final : public ItemJob {
     for (int64_t t = 0; t < m; ++t) {
       uint16_t* h = c.hbuf + (ex.first + t) * I;
       k.glu_bf16(G + t * nj, U + t * nj, nj, &c.ep.act, h + j0);
-      if (c.q.format != kFormat_bf16) quant_prep_x(c.q.format, h, j0, j0 + nj, I, false, hfp_[ex.first + t]);
+      if (c.q.format != kFormat_bf16) k.prep_x(c.q.format, h, j0, j0 + nj, I, 0, hfp_[ex.first + t]);
     }
   }
 

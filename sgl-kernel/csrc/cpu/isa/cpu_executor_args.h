@@ -78,12 +78,14 @@ struct QuantMatrix {
   float global;       // nvfp4: the matrix's global scale; 1 otherwise
 };
 
-// Floats per activation row given to dot_q (x rows are zero-padded to this length).
+// Floats of storage per activation row given to dot_q (x rows are zero-padded to this length;
+// the bf16 layout below uses its first quant_xb_stride(n) / 2 floats).
 static inline int64_t quant_x_stride(int64_t n) { return (n + 31) / 32 * 32; }
 
-// Position of element i in dot_q's activation layout for `format`: the identity for fp8; for the
-// 4-bit formats, within every 16 elements the even ones first, then the odd ones (the order in
-// which 8 packed bytes decode: low nibbles, then high nibbles). Every ISA level uses this layout.
+// dot_q's activation layouts; a table's prep_x writes the one its dot_q reads.
+// The fp32 layout (every level but avx512bf16's 4-bit dots): position of element i for `format`:
+// the identity for fp8; for the 4-bit formats, within every 16 elements the even ones first,
+// then the odd ones (the order in which 8 packed bytes decode: low nibbles, then high nibbles).
 static inline int64_t quant_x_pos(int32_t format, int64_t i) {
   if (format == kFormat_fp8) return i;
   const int64_t j = i & 15;
@@ -100,6 +102,18 @@ static inline void quant_prep_x(int32_t format, const uint16_t* x, int64_t i0, i
   }
   if (pad)
     for (int64_t i = n; i < quant_x_stride(n); ++i) xf[i] = 0.0f;
+}
+
+// The bf16 layout (avx512bf16's 4-bit dots, vdpbf16ps): the bf16 bits themselves, within every
+// 64 elements the 32 even ones first, then the 32 odd ones (32 packed bytes widened to words
+// give the low nibbles, elements 2k, and shifted the high ones, 2k + 1), zero-padded to a
+// multiple of 64 elements.
+static inline int64_t quant_xb_stride(int64_t n) { return (n + 63) / 64 * 64; }
+static inline int64_t quant_xb_pos(int64_t i) { return (i & ~int64_t{63}) + ((i & 1) << 5) + ((i & 63) >> 1); }
+static inline void quant_prep_xb(const uint16_t* x, int64_t i0, int64_t i1, int64_t n, bool pad, uint16_t* xb) {
+  for (int64_t i = i0; i < i1; ++i) xb[quant_xb_pos(i)] = x[i];
+  if (pad)
+    for (int64_t i = n; i < quant_xb_stride(n); ++i) xb[quant_xb_pos(i)] = 0;
 }
 
 struct CpuExecutorKernels {
@@ -119,10 +133,16 @@ struct CpuExecutorKernels {
   // for i < n (k in order; fma is a single rounding on the SIMD levels).
   void (*weighted_sum)(float* out, int64_t n, const float* const* ys, const float* ws, int64_t nk, int32_t accumulate);
 
+  // Writes x (bf16 bits) into the activation layout this table's dot_q reads for `format`
+  // (quant_prep_x's fp32 layout, or on avx512bf16 for the 4-bit formats quant_prep_xb's bf16
+  // one), into rows of quant_x_stride(n) floats of storage: elements i0 <= i < i1, and with
+  // pad the zero padding after n (x may be null when i0 == i1).
+  void (*prep_x)(int32_t format, const uint16_t* x, int64_t i0, int64_t i1, int64_t n, int32_t pad, float* xf);
+
   // y[c][r] = sum_{i<n} dequant(m, r0 + r, i) * x[c][i] for r < rows, c < cols, with x in the
-  // format's activation layout written by prep_x (fp32, quant_x_stride(n) floats per row):
-  // products and sums in fp32. n must be a multiple of the format's group for the 4-bit
-  // formats (the op checks).
+  // format's activation layout written by prep_x: products and sums in fp32 (the bf16 layout:
+  // vdpbf16ps over each scale group's codes, then one fma by the group scale). n must be a
+  // multiple of the format's group for the 4-bit formats (the op checks).
   void (*dot_q)(const QuantMatrix* m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
                 float* const* y);
 

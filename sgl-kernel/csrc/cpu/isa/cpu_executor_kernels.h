@@ -334,35 +334,54 @@ static void dot_tile(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16
 //    the codes. AVX2 carries the sign in bit 3 of the code: each table entry is stored xor'ed
 //    with its index << 28 and the code << 28 is xor'ed back, which leaves the value with the
 //    code's sign bit. The weight is fp32(e2m1 * s) at every level, s = 2^(e - 127) (mxfp4) or
-//    fp32(fp8(scale) * global) (nvfp4).
+//    fp32(fp8(scale) * global) (nvfp4), read from a 256-entry table of the scale byte built once
+//    per dot_q call (fp4_scale_table).
+//  * 4-bit on avx512bf16: x in the bf16 layout, e2m1 codes looked up as bf16 (vpermw), the
+//    exact products of each group summed by vdpbf16ps, then scaled by one fma per group
+//    (qdot_micro_b): the weight is e2m1 itself, the scale applied to the group's dot.
 
 static const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-static inline float bits_f32(uint32_t u) {
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
 // float8_e4m3fn -> fp32 (exact; 0x7f / 0xff, the NaN codes, give NaN).
-static inline float fp8e4m3_to_f32(uint8_t b) {
-  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24, e = (b >> 3) & 15u, m = b & 7u;
-  if (e == 15 && m == 7) return bits_f32(0x7fc00000u);
+static constexpr float fp8e4m3_value(uint32_t b) {
+  const uint32_t sign = (b & 0x80u) << 24, e = (b >> 3) & 15u, m = b & 7u;
+  if (e == 15 && m == 7) return __builtin_bit_cast(float, 0x7fc00000u);
   if (e == 0) return sign ? -0.001953125f * static_cast<float>(m) : 0.001953125f * static_cast<float>(m);  // m 2^-9
-  return bits_f32(sign | ((e + 120u) << 23) | (m << 20));
+  return __builtin_bit_cast(float, sign | ((e + 120u) << 23) | (m << 20));
 }
 
 // e8m0 -> fp32: 2^(e - 127); 0 gives 2^-127 (an fp32 subnormal), 255 (NaN in OCP MX) gives inf.
-static inline float e8m0_to_f32(uint8_t e) { return e == 0 ? bits_f32(0x00400000u) : bits_f32(uint32_t{e} << 23); }
+static constexpr float e8m0_value(uint32_t e) {
+  return e == 0 ? __builtin_bit_cast(float, 0x00400000u) : __builtin_bit_cast(float, e << 23);
+}
 
-// The value a 4-bit group's codes are multiplied by.
+// The two scale codes as 256-entry tables (built at compile time): one load per group instead
+// of a branchy decode.
+struct ByteTable {
+  float v[256];
+};
+template <float (*F)(uint32_t)>
+static constexpr ByteTable make_byte_table() {
+  ByteTable t{};
+  for (uint32_t b = 0; b < 256; ++b) t.v[b] = F(b);
+  return t;
+}
+static constexpr ByteTable kE4M3 = make_byte_table<fp8e4m3_value>();
+static constexpr ByteTable kE8M0 = make_byte_table<e8m0_value>();
+
+static inline float fp8e4m3_to_f32(uint8_t b) { return kE4M3.v[b]; }
+
+// The value a 4-bit format's scale byte stands for, per matrix: mxfp4 2^(e - 127); nvfp4
+// fp32(fp8(b) * global) (one rounding, as the format defines it). Built once per dot_q call.
 template <int FMT>
-static inline float fp4_group_scale(const QuantMatrix& m, const uint8_t* s, int64_t g) {
-  if constexpr (FMT == kFormat_mxfp4)
-    return e8m0_to_f32(s[g]);
-  else
-    return fp8e4m3_to_f32(s[g]) * m.global;
+static inline void fp4_scale_table(const QuantMatrix& m, float* t) {
+  if constexpr (FMT == kFormat_mxfp4) {
+    for (int b = 0; b < 256; ++b) t[b] = kE8M0.v[b];
+  } else {
+    const float g = m.global;
+    for (int b = 0; b < 256; ++b) t[b] = kE4M3.v[b] * g;
+  }
 }
 
 #if SGLK_ISA_LEVEL == 2
@@ -417,11 +436,13 @@ static inline void fp4_decode(const uint8_t* p, fp4_table s, vf* out) {
 #endif
 
 // Rows per quantized tile for C tokens, per level (accumulators, tables and decoded weights
-// must fit the register file: 16 ymm on AVX2, 32 zmm on AVX-512).
+// must fit the register file: 16 ymm on AVX2, 32 zmm on AVX-512). On AVX-512 one token reads 8
+// rows at a time: with 4 the batch-1 fp8 dots ran at ~0.5 of the bf16 ones' bandwidth, with 8
+// at ~0.8 (benchmark/RESULTS.md, cpu_executor, quantized experts).
 template <int C>
 struct QuantRows {
 #if SGLK_ISA_LEVEL == 2
-  static constexpr int R = 4;
+  static constexpr int R = C == 1 ? 8 : 4;
 #elif SGLK_ISA_LEVEL == 1
   static constexpr int R = C == 1 ? 4 : 2;
 #else
@@ -439,15 +460,19 @@ static inline __attribute__((always_inline)) void quant_reduce(vf (&acc)[R][C], 
 #endif
 }
 
-// The R x C dots of matrix rows row..row+R-1 with x[0..C); writes y[c][yo + r].
-template <int FMT, int R, int C>
+// The R x C dots of matrix rows row..row+R-1 with x[0..C); writes y[c][yo + r]. st: the
+// 4-bit formats' scale-byte table (fp4_scale_table). With PF, the rows row+R..row+2R-1 (the
+// next tile of the same call) are prefetched into L2 as this tile streams its own, one line
+// per row per 64 bytes consumed (see SGLK_PREFETCH_NEXT_TILE).
+template <int FMT, int R, int C, bool PF>
 static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* const* x, int64_t n, float* const* y,
-                              int64_t yo) {
+                              int64_t yo, const float* st) {
   vf acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = v_zero();
   const uint8_t* w[R];
   for (int r = 0; r < R; ++r) w[r] = m.w + (row + r) * m.w_rs;
+  const int64_t next = R * m.w_rs;  // bytes from a row to its row in the next tile
   if constexpr (FMT == kFormat_fp8) {
     const float* s[R];
     for (int r = 0; r < R; ++r) s[r] = static_cast<const float*>(m.scale) + ((row + r) / kFp8Block) * m.scale_rs;
@@ -455,6 +480,9 @@ static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* co
     for (int64_t i = 0; i < n; i += VW) {
       if (i % kFp8Block == 0)
         for (int r = 0; r < R; ++r) sv[r] = v_set1(s[r][i / kFp8Block] * kFp8Mul);
+      if constexpr (PF)
+        if (i % 64 == 0)
+          for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i);
       vf wv[R];
       if (i + VW <= n) {
         for (int r = 0; r < R; ++r) wv[r] = v_mul(fp8_load(w[r] + i), sv[r]);
@@ -475,9 +503,15 @@ static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* co
     const uint8_t* s[R];
     for (int r = 0; r < R; ++r) s[r] = static_cast<const uint8_t*>(m.scale) + (row + r) * m.scale_rs;
     fp4_table tab[R];
+    if constexpr (PF)
+      for (int r = 0; r < R; ++r)
+        for (int64_t o = 0; o < m.scale_rs; o += 64) SGLK_PREFETCH_NEXT_TILE(s[r] + R * m.scale_rs + o);
     for (int64_t i = 0; i < n; i += 16) {
       if (i % G == 0)
-        for (int r = 0; r < R; ++r) tab[r] = fp4_make_table(fp4_group_scale<FMT>(m, s[r], i / G));
+        for (int r = 0; r < R; ++r) tab[r] = fp4_make_table(st[s[r][i / G]]);
+      if constexpr (PF)
+        if (i % 128 == 0)
+          for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i / 2);
       vf wv[R][FP4_NV];
       for (int r = 0; r < R; ++r) fp4_decode(w[r] + i / 2, tab[r], wv[r]);
       for (int v = 0; v < FP4_NV; ++v)
@@ -490,23 +524,162 @@ static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* co
   quant_reduce<R, C>(acc, y, yo);
 }
 
+#if SGLK_ISA_DPBF16
+// The 4-bit formats on vdpbf16ps, x in the bf16 layout (quant_prep_xb). A step is 64 elements
+// (32 bytes) of a row: the bytes widened to words index a table of the 16 e2m1 values as bf16
+// (vpermw reads 5 index bits: entries 16..31 repeat 0..15, so a byte's high nibble in bit 4 of
+// the word does not matter) for the low nibbles, and shifted right by 4 for the high ones:
+// w_lo[k] = e2m1(element 2k), w_hi[k] = e2m1(element 2k + 1). Lane j of
+// p = vdpbf16ps(vdpbf16ps(0, w_lo, x_lo), w_hi, x_hi) sums the exact products of elements
+// 4j .. 4j + 3, all in one scale group (nvfp4: lanes 4g .. 4g + 3 are group g of the step,
+// mxfp4: lanes 8g .. 8g + 7), and acc = fma(p, s, acc) with s the lanes' group scales. The last
+// partial step loads only the row's bytes (zero codes are 0) and gives the lanes past n a zero
+// scale (x is zero-padded to a multiple of 64).
+static constexpr uint16_t kE2M1Bf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+                                           0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+                                           0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+                                           0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+
+// Rows per tile of the bf16 4-bit dots (two decoded weight vectors and a scale vector per row;
+// one token: 8 rows, as QuantRows).
+template <int C>
+struct Fp4bRows {
+  static constexpr int R = C == 1 ? 8 : C == 2 ? 4 : 2;
+};
+
+// The 16 lanes' scales of step i (element offset) of a row with scale bytes s: lanes of group
+// g take st[s[g]]; groups at or past ng (the row's end) get 0.
+template <int FMT>
+static inline __attribute__((always_inline)) __m512 fp4b_scales(const uint8_t* s, int64_t g0, const float* st,
+                                                                int64_t ng) {
+  if constexpr (FMT == kFormat_nvfp4) {
+    __m512 v = _mm512_set1_ps(st[s[g0]]);
+    if (ng >= 4) {
+      v = _mm512_mask_mov_ps(v, 0x00F0, _mm512_set1_ps(st[s[g0 + 1]]));
+      v = _mm512_mask_mov_ps(v, 0x0F00, _mm512_set1_ps(st[s[g0 + 2]]));
+      return _mm512_mask_mov_ps(v, 0xF000, _mm512_set1_ps(st[s[g0 + 3]]));
+    }
+    v = _mm512_maskz_mov_ps(0x000F, v);
+    if (ng > 1) v = _mm512_mask_mov_ps(v, 0x00F0, _mm512_set1_ps(st[s[g0 + 1]]));
+    if (ng > 2) v = _mm512_mask_mov_ps(v, 0x0F00, _mm512_set1_ps(st[s[g0 + 2]]));
+    return v;
+  } else {
+    const __m512 v = _mm512_set1_ps(st[s[g0]]);
+    if (ng >= 2) return _mm512_mask_mov_ps(v, 0xFF00, _mm512_set1_ps(st[s[g0 + 1]]));
+    return _mm512_maskz_mov_ps(0x00FF, v);
+  }
+}
+
+template <int FMT, int R, int C, bool PF>
+static inline void qdot_micro_b(const QuantMatrix& m, int64_t row, const float* const* xs, int64_t n, float* const* y,
+                                int64_t yo, const float* st) {
+  constexpr int64_t G = FMT == kFormat_mxfp4 ? kMxfp4Group : kNvfp4Group;
+  constexpr int64_t GS = 64 / G;  // groups per step
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint16_t* x[C];
+  for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const uint16_t*>(xs[c]);
+  const uint8_t* w[R];
+  const uint8_t* s[R];
+  for (int r = 0; r < R; ++r) {
+    w[r] = m.w + (row + r) * m.w_rs;
+    s[r] = static_cast<const uint8_t*>(m.scale) + (row + r) * m.scale_rs;
+  }
+  if constexpr (PF)
+    for (int r = 0; r < R; ++r)
+      for (int64_t o = 0; o < m.scale_rs; o += 64) SGLK_PREFETCH_NEXT_TILE(s[r] + R * m.scale_rs + o);
+  const int64_t next = R * m.w_rs;
+  const __m512i tab = _mm512_loadu_si512(kE2M1Bf16);
+  const __m512 z = _mm512_setzero_ps();
+  auto step = [&](int64_t i, const __m512i(&v)[R], int64_t ng) __attribute__((always_inline)) {
+    __m512i wl[R], wh[R];
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {
+      wl[r] = _mm512_permutexvar_epi16(v[r], tab);
+      wh[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 4), tab);
+      sv[r] = fp4b_scales<FMT>(s[r], i / G, st, ng);
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512i xl = _mm512_loadu_si512(x[c] + i), xh = _mm512_loadu_si512(x[c] + i + 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512 p =
+            _mm512_dpbf16_ps(_mm512_dpbf16_ps(z, (__m512bh)wl[r], (__m512bh)xl), (__m512bh)wh[r], (__m512bh)xh);
+        acc[r][c] = _mm512_fmadd_ps(p, sv[r], acc[r][c]);
+      }
+    }
+  };
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    if constexpr (PF)
+      if (i % 128 == 0)
+        for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i / 2);
+    __m512i v[R];
+    for (int r = 0; r < R; ++r)
+      v[r] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2)));
+    step(i, v, GS);
+  }
+  if (i < n) {  // n - i is a multiple of G below 64
+    const __mmask32 bm = static_cast<__mmask32>((1u << ((n - i) / 2)) - 1u);
+    __m512i v[R];
+    for (int r = 0; r < R; ++r) v[r] = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bm, w[r] + i / 2));
+    step(i, v, (n - i) / G);
+  }
+  reduce_tile<R, C>(acc, y, yo);
+}
+
+template <int FMT, int C>
+static inline void qdot_rows_b(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t n,
+                               float* const* y, const float* st) {
+  constexpr int R = Fp4bRows<C>::R;
+  int64_t r = 0;
+  for (; r + 2 * R <= rows; r += R) qdot_micro_b<FMT, R, C, true>(m, r0 + r, x, n, y, r, st);
+  for (; r + R <= rows; r += R) qdot_micro_b<FMT, R, C, false>(m, r0 + r, x, n, y, r, st);
+  for (; r < rows; ++r) qdot_micro_b<FMT, 1, C, false>(m, r0 + r, x, n, y, r, st);
+}
+#endif
+
+// Rows in tiles of QuantRows<C>::R (every tile but the last prefetching the next), then the
+// remaining rows one at a time.
 template <int FMT, int C>
 static inline void qdot_rows(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t n,
-                             float* const* y) {
+                             float* const* y, const float* st) {
   constexpr int R = QuantRows<C>::R;
   int64_t r = 0;
-  for (; r + R <= rows; r += R) qdot_micro<FMT, R, C>(m, r0 + r, x, n, y, r);
-  for (; r < rows; ++r) qdot_micro<FMT, 1, C>(m, r0 + r, x, n, y, r);
+  for (; r + 2 * R <= rows; r += R) qdot_micro<FMT, R, C, true>(m, r0 + r, x, n, y, r, st);
+  for (; r + R <= rows; r += R) qdot_micro<FMT, R, C, false>(m, r0 + r, x, n, y, r, st);
+  for (; r < rows; ++r) qdot_micro<FMT, 1, C, false>(m, r0 + r, x, n, y, r, st);
 }
 
 template <int FMT>
 static void qdot_format(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
                         float* const* y) {
+  alignas(64) float st[256];
+  if constexpr (FMT != kFormat_fp8) fp4_scale_table<FMT>(m, st);
   int64_t c = 0;
-  for (; c + 4 <= cols; c += 4) qdot_rows<FMT, 4>(m, r0, rows, x + c, n, y + c);
-  if (cols - c == 1) qdot_rows<FMT, 1>(m, r0, rows, x + c, n, y + c);
-  if (cols - c == 2) qdot_rows<FMT, 2>(m, r0, rows, x + c, n, y + c);
-  if (cols - c == 3) qdot_rows<FMT, 3>(m, r0, rows, x + c, n, y + c);
+#if SGLK_ISA_DPBF16
+  if constexpr (FMT != kFormat_fp8) {
+    for (; c + 4 <= cols; c += 4) qdot_rows_b<FMT, 4>(m, r0, rows, x + c, n, y + c, st);
+    if (cols - c == 1) qdot_rows_b<FMT, 1>(m, r0, rows, x + c, n, y + c, st);
+    if (cols - c == 2) qdot_rows_b<FMT, 2>(m, r0, rows, x + c, n, y + c, st);
+    if (cols - c == 3) qdot_rows_b<FMT, 3>(m, r0, rows, x + c, n, y + c, st);
+    return;
+  }
+#endif
+  for (; c + 4 <= cols; c += 4) qdot_rows<FMT, 4>(m, r0, rows, x + c, n, y + c, st);
+  if (cols - c == 1) qdot_rows<FMT, 1>(m, r0, rows, x + c, n, y + c, st);
+  if (cols - c == 2) qdot_rows<FMT, 2>(m, r0, rows, x + c, n, y + c, st);
+  if (cols - c == 3) qdot_rows<FMT, 3>(m, r0, rows, x + c, n, y + c, st);
+}
+
+static void prep_x(int32_t format, const uint16_t* x, int64_t i0, int64_t i1, int64_t n, int32_t pad, float* xf) {
+#if SGLK_ISA_DPBF16
+  if (format != kFormat_fp8) {
+    quant_prep_xb(x, i0, i1, n, pad != 0, reinterpret_cast<uint16_t*>(xf));
+    return;
+  }
+#endif
+  quant_prep_x(format, x, i0, i1, n, pad != 0, xf);
 }
 
 static void dot_q(const QuantMatrix* m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
@@ -636,6 +809,7 @@ static const CpuExecutorKernels kTable = {
     &dot_tile,
     &glu_bf16,
     &weighted_sum,
+    &prep_x,
     &dot_q,
     &stream_read,
 };
