@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_block_util import publish_cpu_server, start_group  # noqa: E402
+from moe_block_util import publish_cpu_server, run_configs, start_group  # noqa: E402
 
 CALLS = (1, 3, 37, 2, 64)
 X_SCALE = 8.0  # inputs x 8: the clamps at 7 are hit (test_epilogue.py's choice)
@@ -177,21 +177,13 @@ def main() -> None:
     publish_cpu_server(model)
     start_group()
     quant = cfg.quantization_config
-    result = {"method": {}, "pool": {}, "snapshot": {}}
-    for name, flags in CONFIGS.items():
-        reset_expert_slot_cache()
-        cache_flags = dict(enable_expert_cache=True, **flags, **BANDWIDTHS) if flags else {}
-        with get_exec().moe.override(**cache_flags):
-            block = _build(cfg, Mxfp4Config.from_config(quant), state)
-            method = block.experts.quant_method
-            result["method"][name] = type(method).__name__
-            with torch.no_grad():
-                result[name] = [block.forward_normal(x) for x in xs]
-            if flags:
-                result["pool"][name] = _pool_checks(method.cache, state, cfg.num_local_experts)
-                result["snapshot"][name] = method.cache.snapshot()
-                passes = method.cache.prefill_stream.passes
-                result["snapshot"][name]["streamed_passes"] = sum(passes.values())
+    result = run_configs(
+        CONFIGS,
+        BANDWIDTHS,
+        lambda: _build(cfg, Mxfp4Config.from_config(quant), state),
+        xs,
+        lambda cache: _pool_checks(cache, state, cfg.num_local_experts),
+    )
     result.update(_references(cfg, state, xs))
 
     errors = {}

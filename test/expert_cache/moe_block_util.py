@@ -98,3 +98,40 @@ def run_block_check(script: Path, model: Path, out: Path, env: dict | None = Non
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
+
+
+def run_configs(configs: dict, bandwidths: dict, build, xs: list, pool_checks) -> dict:
+    """Build the block once per configuration and run it on every input.
+
+    ``configs``: {name: expert-cache flags of ``ExecMoe`` (empty: no cache, upstream's path)};
+    ``bandwidths``: the fixed B_P / B_H flags every cache configuration gets; ``build()``: the
+    block under the current flags; ``xs``: inputs [T, hidden] bf16; ``pool_checks(cache)``: the
+    format's checks of the host pool and slots.
+
+    Returns:
+        ``{"method": {name: quant method class name}, name: [output [T, hidden] per input],
+        "pool": {name: pool_checks(cache)}, "snapshot": {name: cache.snapshot() plus
+        ``streamed_passes``, the prefill double buffer's passes}}``, pool and snapshot for the
+        cache configurations only.
+    """
+    import torch
+
+    from sglang.srt.layers.moe.expert_cache.method import reset_expert_slot_cache
+    from sglang.srt.runtime_context import get_exec
+
+    result = {"method": {}, "pool": {}, "snapshot": {}}
+    for name, flags in configs.items():
+        reset_expert_slot_cache()
+        cache_flags = dict(enable_expert_cache=True, **flags, **bandwidths) if flags else {}
+        with get_exec().moe.override(**cache_flags):
+            block = build()
+            method = block.experts.quant_method
+            result["method"][name] = type(method).__name__
+            with torch.no_grad():
+                result[name] = [block.forward_normal(x) for x in xs]
+            if flags:
+                result["pool"][name] = pool_checks(method.cache)
+                snapshot = method.cache.snapshot()
+                snapshot["streamed_passes"] = sum(method.cache.prefill_stream.passes.values())
+                result["snapshot"][name] = snapshot
+    return result

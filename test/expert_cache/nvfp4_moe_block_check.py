@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_block_util import load_block, publish_cpu_server, start_group  # noqa: E402
+from moe_block_util import load_block, publish_cpu_server, run_configs, start_group  # noqa: E402
 
 CALLS = (1, 3, 37, 2, 64)
 LAYER = 1
@@ -215,19 +215,13 @@ def main() -> None:
     xs = [torch.randn(t, cfg.hidden_size, generator=g).bfloat16() for t in CALLS]
     publish_cpu_server(model)
     start_group()
-    result = {"method": {}, "pool": {}, "snapshot": {}}
-    for name, flags in CONFIGS.items():
-        reset_expert_slot_cache()
-        cache_flags = dict(enable_expert_cache=True, **flags, **BANDWIDTHS) if flags else {}
-        with get_exec().moe.override(**cache_flags):
-            block = _build(cfg, ModelOptFp4Config.from_config(quant), state)
-            method = block.experts.quant_method
-            result["method"][name] = type(method).__name__
-            with torch.no_grad():
-                result[name] = [block.forward_normal(x) for x in xs]
-            if flags:
-                result["pool"][name] = _pool_checks(method.cache, state, cfg.num_experts)
-                result["snapshot"][name] = method.cache.snapshot()
+    result = run_configs(
+        CONFIGS,
+        BANDWIDTHS,
+        lambda: _build(cfg, ModelOptFp4Config.from_config(quant), state),
+        xs,
+        lambda cache: _pool_checks(cache, state, cfg.num_experts),
+    )
     result["ref"] = _reference(cfg, state, xs)
     result["ref_unscaled"] = _reference(cfg, state, xs, with_scales=False)
 
