@@ -83,7 +83,7 @@ struct QuantMatrix {
 static inline int64_t quant_x_stride(int64_t n) { return (n + 31) / 32 * 32; }
 
 // dot_q's activation layouts; a table's prep_x writes the one its dot_q reads.
-// The fp32 layout (every level but avx512bf16's 4-bit dots): position of element i for `format`:
+// The fp32 layout (every level but avx512bf16): position of element i for `format`:
 // the identity for fp8; for the 4-bit formats, within every 16 elements the even ones first,
 // then the odd ones (the order in which 8 packed bytes decode: low nibbles, then high nibbles).
 static inline int64_t quant_x_pos(int32_t format, int64_t i) {
@@ -116,6 +116,14 @@ static inline void quant_prep_xb(const uint16_t* x, int64_t i0, int64_t i1, int6
     for (int64_t i = n; i < quant_xb_stride(n); ++i) xb[quant_xb_pos(i)] = 0;
 }
 
+// avx512bf16's fp8 layout: the bf16 bits in natural order (vdpbf16ps pairs elements 2j and
+// 2j + 1 of 32 bytes widened to words), zero-padded to a multiple of 32 elements.
+static inline void quant_prep_x8b(const uint16_t* x, int64_t i0, int64_t i1, int64_t n, bool pad, uint16_t* xb) {
+  for (int64_t i = i0; i < i1; ++i) xb[i] = x[i];
+  if (pad)
+    for (int64_t i = n; i < (n + 31) / 32 * 32; ++i) xb[i] = 0;
+}
+
 struct CpuExecutorKernels {
   const char* name;  // "scalar" | "avx2" | "avx512" | "avx512bf16"
   const char* dot;   // how the bf16 dots are computed, for expert_pool_info()
@@ -134,14 +142,14 @@ struct CpuExecutorKernels {
   void (*weighted_sum)(float* out, int64_t n, const float* const* ys, const float* ws, int64_t nk, int32_t accumulate);
 
   // Writes x (bf16 bits) into the activation layout this table's dot_q reads for `format`
-  // (quant_prep_x's fp32 layout, or on avx512bf16 for the 4-bit formats quant_prep_xb's bf16
-  // one), into rows of quant_x_stride(n) floats of storage: elements i0 <= i < i1, and with
+  // (quant_prep_x's fp32 layout, or on avx512bf16 the bf16 ones: quant_prep_xb for the 4-bit
+  // formats, quant_prep_x8b for fp8), into rows of quant_x_stride(n) floats of storage: elements i0 <= i < i1, and with
   // pad the zero padding after n (x may be null when i0 == i1).
   void (*prep_x)(int32_t format, const uint16_t* x, int64_t i0, int64_t i1, int64_t n, int32_t pad, float* xf);
 
   // y[c][r] = sum_{i<n} dequant(m, r0 + r, i) * x[c][i] for r < rows, c < cols, with x in the
-  // format's activation layout written by prep_x: products and sums in fp32 (the bf16 layout:
-  // vdpbf16ps over each scale group's codes, then one fma by the group scale). n must be a
+  // format's activation layout written by prep_x: products and sums in fp32 (the bf16 layouts:
+  // vdpbf16ps over each scale group's or 128-wide block's codes, then one fma by its scale). n must be a
   // multiple of the format's group for the 4-bit formats (the op checks).
   void (*dot_q)(const QuantMatrix* m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
                 float* const* y);
