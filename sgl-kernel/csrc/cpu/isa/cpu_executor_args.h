@@ -80,7 +80,7 @@ struct QuantMatrix {
 
 // Floats of storage per activation row given to dot_q (x rows are zero-padded to this length;
 // the bf16 layout below uses its first quant_xb_stride(n) / 2 floats).
-static inline int64_t quant_x_stride(int64_t n) { return (n + 31) / 32 * 32; }
+static inline int64_t quant_x_stride(int64_t n) { return (n + 63) / 64 * 64; }
 
 // dot_q's activation layouts; a table's prep_x writes the one its dot_q reads.
 // The fp32 layout (every level but avx512bf16): position of element i for `format`:
@@ -105,11 +105,10 @@ static inline void quant_prep_x(int32_t format, const uint16_t* x, int64_t i0, i
 }
 
 // The bf16 layout (avx512bf16's 4-bit dots, vdpbf16ps): the bf16 bits themselves, within every
-// 64 elements the 32 even ones first, then the 32 odd ones (32 packed bytes widened to words
-// give the low nibbles, elements 2k, and shifted the high ones, 2k + 1), zero-padded to a
-// multiple of 64 elements.
-static inline int64_t quant_xb_stride(int64_t n) { return (n + 63) / 64 * 64; }
-static inline int64_t quant_xb_pos(int64_t i) { return (i & ~int64_t{63}) + ((i & 1) << 5) + ((i & 63) >> 1); }
+// 128 elements four runs of 32, run q holding elements 4k + q (64 packed bytes read as 32 words
+// of four codes, each shifted by 4q), zero-padded to a multiple of 128 elements.
+static inline int64_t quant_xb_stride(int64_t n) { return (n + 127) / 128 * 128; }
+static inline int64_t quant_xb_pos(int64_t i) { return (i & ~int64_t{127}) + ((i & 3) << 5) + ((i & 127) >> 2); }
 static inline void quant_prep_xb(const uint16_t* x, int64_t i0, int64_t i1, int64_t n, bool pad, uint16_t* xb) {
   for (int64_t i = i0; i < i1; ++i) xb[quant_xb_pos(i)] = x[i];
   if (pad)

@@ -529,22 +529,22 @@ static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* co
 }
 
 #if SGLK_ISA_DPBF16
-// The 4-bit formats on vdpbf16ps, x in the bf16 layout (quant_prep_xb). A step is 64 elements
-// (32 bytes) of a row: the bytes widened to words index a table of the 16 e2m1 values as bf16
-// (vpermw reads 5 index bits: entries 16..31 repeat 0..15, so a byte's high nibble in bit 4 of
-// the word does not matter) for the low nibbles, and shifted right by 4 for the high ones:
-// w_lo[k] = e2m1(element 2k), w_hi[k] = e2m1(element 2k + 1). Lane j of
-// p = vdpbf16ps(vdpbf16ps(0, w_lo, x_lo), w_hi, x_hi) sums the exact products of elements
-// 4j .. 4j + 3, all in one scale group (nvfp4: lanes 4g .. 4g + 3 are group g of the step,
-// mxfp4: lanes 8g .. 8g + 7), and acc = fma(p, s, acc) with s the lanes' group scales. The last
-// partial step loads only the row's bytes (zero codes are 0) and gives the lanes past n a zero
-// scale (x is zero-padded to a multiple of 64).
+// The 4-bit formats on vdpbf16ps, x in the bf16 layout (quant_prep_xb). A step is 128 elements
+// (64 bytes) of a row, read as 32 words of four codes each (elements 4k .. 4k + 3 in word k,
+// lowest nibble first): the words, shifted right by 0, 4, 8 and 12, index a table of the 16
+// e2m1 values as bf16 (vpermw reads 5 index bits: entries 16..31 repeat 0..15, so the next
+// nibble's low bit does not matter), w_q[k] = e2m1(element 4k + q). Lane j of
+// p = vdpbf16ps over q = 0..3 of (w_q, x_q) sums the exact products of elements 8j .. 8j + 7,
+// all in one scale group (nvfp4: lanes 2g, 2g + 1 are group g of the step, mxfp4: lanes
+// 4g .. 4g + 3), and acc = fma(p, s, acc) with s the lanes' group scales. The last partial step
+// loads only the row's bytes (zero codes are 0) and gives the lanes past n a zero scale (x is
+// zero-padded to a multiple of 128).
 static constexpr uint16_t kE2M1Bf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
                                            0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
                                            0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
                                            0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
 
-// Rows per tile of the bf16 4-bit dots (two decoded weight vectors and a scale vector per row;
+// Rows per tile of the bf16 4-bit dots (a step decodes a row in four vectors, used one after the other;
 // one token: 8 rows, as QuantRows).
 template <int C>
 struct Fp4bRows {
@@ -580,8 +580,8 @@ template <int FMT, int R, int C, bool PF>
 static inline void qdot_micro_b(const QuantMatrix& m, int64_t row, const float* const* xs, int64_t n, float* const* y,
                                 int64_t yo, __m512 gmul) {
   constexpr int64_t G = FMT == kFormat_mxfp4 ? kMxfp4Group : kNvfp4Group;
-  constexpr int GS = static_cast<int>(64 / G);  // groups per step
-  constexpr int64_t CH = 16 * G;                // elements per 16 groups (one scale vector)
+  constexpr int GS = static_cast<int>(128 / G);  // groups per step
+  constexpr int64_t CH = 16 * G;                 // elements per 16 groups (one scale vector)
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -599,23 +599,23 @@ static inline void qdot_micro_b(const QuantMatrix& m, int64_t row, const float* 
   const int64_t next = R * m.w_rs;
   const __m512i tab = _mm512_loadu_si512(kE2M1Bf16);
   const __m512 z = _mm512_setzero_ps();
-  // lane j of a step reads group j / (16 / GS) of the step
+  // lane j of a step holds elements 8j .. 8j + 7: group j / (16 / GS) of the step
   const __m512i ix0 =
-      _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), GS == 4 ? 2 : 3);
+      _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), GS == 8 ? 1 : 2);
   auto step = [&](int64_t i, const __m512i(&v)[R], const __m512(&sc)[R], __m512i ix) __attribute__((always_inline)) {
-    __m512i wl[R], wh[R];
-    __m512 sv[R];
     for (int r = 0; r < R; ++r) {
-      wl[r] = _mm512_permutexvar_epi16(v[r], tab);
-      wh[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 4), tab);
-      sv[r] = _mm512_permutexvar_ps(ix, sc[r]);
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m512i xl = _mm512_loadu_si512(x[c] + i), xh = _mm512_loadu_si512(x[c] + i + 32);
-      for (int r = 0; r < R; ++r) {
-        const __m512 p =
-            _mm512_dpbf16_ps(_mm512_dpbf16_ps(z, (__m512bh)wl[r], (__m512bh)xl), (__m512bh)wh[r], (__m512bh)xh);
-        acc[r][c] = _mm512_fmadd_ps(p, sv[r], acc[r][c]);
+      const __m512i w0 = _mm512_permutexvar_epi16(v[r], tab);
+      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 4), tab);
+      const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 8), tab);
+      const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 12), tab);
+      const __m512 sv = _mm512_permutexvar_ps(ix, sc[r]);
+      for (int c = 0; c < C; ++c) {
+        const uint16_t* xc = x[c] + i;
+        __m512 p = _mm512_dpbf16_ps(z, (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xc));
+        p = _mm512_dpbf16_ps(p, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xc + 32));
+        p = _mm512_dpbf16_ps(p, (__m512bh)w2, (__m512bh)_mm512_loadu_si512(xc + 64));
+        p = _mm512_dpbf16_ps(p, (__m512bh)w3, (__m512bh)_mm512_loadu_si512(xc + 96));
+        acc[r][c] = _mm512_fmadd_ps(p, sv, acc[r][c]);
       }
     }
   };
@@ -625,20 +625,18 @@ static inline void qdot_micro_b(const QuantMatrix& m, int64_t row, const float* 
     const int64_t c1 = n - c0 < CH ? n : c0 + CH;
     __m512i ix = ix0;
     int64_t i = c0;
-    for (; i + 64 <= c1; i += 64) {
+    for (; i + 128 <= c1; i += 128) {
       if constexpr (PF)
-        if (i % 128 == 0)
-          for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i / 2);
+        for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i / 2);
       __m512i v[R];
-      for (int r = 0; r < R; ++r)
-        v[r] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2)));
+      for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(w[r] + i / 2);
       step(i, v, sc, ix);
       ix = _mm512_add_epi32(ix, _mm512_set1_epi32(GS));
     }
-    if (i < c1) {  // the row's last, partial step: n - i is a multiple of G below 64
-      const __mmask32 bm = static_cast<__mmask32>((1u << ((c1 - i) / 2)) - 1u);
+    if (i < c1) {  // the row's last, partial step: n - i is a multiple of G below 128
+      const __mmask64 bm = (uint64_t{1} << ((c1 - i) / 2)) - 1u;
       __m512i v[R];
-      for (int r = 0; r < R; ++r) v[r] = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bm, w[r] + i / 2));
+      for (int r = 0; r < R; ++r) v[r] = _mm512_maskz_loadu_epi8(bm, w[r] + i / 2);
       step(i, v, sc, ix);
     }
   }
