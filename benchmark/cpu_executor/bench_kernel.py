@@ -45,7 +45,8 @@ per physical core; torch.set_num_threads is set to the same count):
   sequential read and torch (float32 dequantize + F.linear per expert, --torch-steps steps).
   bf16 is always measured (the lines above); kt-kernel is run for bf16 only (its FP8 / MXFP4
   backends are not wired here: printed as skipped). Last line adds, per format of the run,
-  ``read_ratio_FMT`` (batch 1 / read), ``bw_gbps_FMT_bB`` and ``torch_ratio_FMT``.
+  ``read_ratio_FMT`` (batch 1 / read), its spread ``read_ratio_FMT_lo`` / ``_hi`` (the lowest and
+  highest same-round ratio), ``bw_gbps_FMT_bB`` and ``torch_ratio_FMT``.
 
 Measurements are interleaved in --rounds rounds (torch decode: --torch-steps
 steps per round), so that a shared machine's load hits all of them alike;
@@ -456,6 +457,10 @@ def main() -> None:
     def ratio(a: str, b: str) -> float:  # median over rounds of the same-round ratio
         return statistics.median(x / y for x, y in zip(res[a], res[b]))
 
+    def spread(a: str, b: str) -> tuple[float, float]:  # lowest and highest same-round ratio
+        rs = [x / y for x, y in zip(res[a], res[b])]
+        return min(rs), max(rs)
+
     read = med["read"]
     print()
     print(
@@ -488,14 +493,18 @@ def main() -> None:
             )
     if quants:
         print()
-        print("| format | batch | GB/s median | GB/s best | vs read | ours vs torch | torch GB/s |")
+        print(
+            "| format | batch | GB/s median | GB/s min-max | vs read (rounds' min-max) "
+            "| ours vs torch | torch GB/s |"
+        )
         print("|---|---|---|---|---|---|---|")
     for q in quants:
         for B in batches:
             o, t = f"{q.fmt.name}_b{B}", f"{q.fmt.name}_torch_b{B}"
+            lo, hi = spread(o, "read")
             print(
-                f"| moe_experts_cpu {q.fmt.name} | {B} | {med[o]:.1f} | {best[o]:.1f} | {ratio(o, 'read'):.2f} "
-                f"| {ratio(o, t):.2f} | {med[t]:.2f} |"
+                f"| moe_experts_cpu {q.fmt.name} | {B} | {med[o]:.1f} | {min(res[o]):.1f}-{best[o]:.1f} "
+                f"| {ratio(o, 'read'):.2f} ({lo:.2f}-{hi:.2f}) | {ratio(o, t):.2f} | {med[t]:.2f} |"
             )
         print(
             f"# kt-kernel {q.fmt.name}: not measured (this benchmark wires kt's BF16 operator only)"
@@ -544,7 +553,9 @@ def main() -> None:
     fields += [f"read_ratio_bf16={ratio('ours_b1', 'read'):.3f}"] if "bf16" in formats else []
     for q in quants:
         f = q.fmt.name
+        lo, hi = spread(f + "_b1", "read")
         fields += [f"read_ratio_{f}={ratio(f + '_b1', 'read'):.3f}"]
+        fields += [f"read_ratio_{f}_lo={lo:.3f}", f"read_ratio_{f}_hi={hi:.3f}"]
         fields += [f"bw_gbps_{f}_b{B}={med[f'{f}_b{B}']:.2f}" for B in batches]
         fields += [f"torch_ratio_{f}={ratio(f + '_b1', f + '_torch_b1'):.3f}"]
     fields += [f"load_avg={max(load0, load1):.1f}"]

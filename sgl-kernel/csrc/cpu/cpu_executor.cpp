@@ -13,7 +13,7 @@
 // quant method's per-expert tensors as upstream creates them, and the weights are decoded in
 // registers (weight-only: activations stay bf16, w13 / w2 entries below mean the dequantized
 // weights). The kernels read copies of x and h in dot_q's activation layout (fp32, or bf16 for
-// avx512bf16's 4-bit dots), written per chunk by the table's prep_x.
+// avx512bf16), written per chunk by the table's prep_x.
 //
 // For each token t, result[t] = sum_{k=0..K-1, in this order} topk_weights[t,k]
 // * expert(x[t]) over the (t,k) whose row is >= 0 in one set i (rows of -1 in

@@ -80,10 +80,10 @@ struct QuantMatrix {
 
 // Floats of storage per activation row given to dot_q (x rows are zero-padded to this length;
 // the bf16 layout below uses its first quant_xb_stride(n) / 2 floats).
-static inline int64_t quant_x_stride(int64_t n) { return (n + 31) / 32 * 32; }
+static inline int64_t quant_x_stride(int64_t n) { return (n + 63) / 64 * 64; }
 
 // dot_q's activation layouts; a table's prep_x writes the one its dot_q reads.
-// The fp32 layout (every level but avx512bf16's 4-bit dots): position of element i for `format`:
+// The fp32 layout (every level but avx512bf16): position of element i for `format`:
 // the identity for fp8; for the 4-bit formats, within every 16 elements the even ones first,
 // then the odd ones (the order in which 8 packed bytes decode: low nibbles, then high nibbles).
 static inline int64_t quant_x_pos(int32_t format, int64_t i) {
@@ -105,15 +105,22 @@ static inline void quant_prep_x(int32_t format, const uint16_t* x, int64_t i0, i
 }
 
 // The bf16 layout (avx512bf16's 4-bit dots, vdpbf16ps): the bf16 bits themselves, within every
-// 64 elements the 32 even ones first, then the 32 odd ones (32 packed bytes widened to words
-// give the low nibbles, elements 2k, and shifted the high ones, 2k + 1), zero-padded to a
-// multiple of 64 elements.
-static inline int64_t quant_xb_stride(int64_t n) { return (n + 63) / 64 * 64; }
-static inline int64_t quant_xb_pos(int64_t i) { return (i & ~int64_t{63}) + ((i & 1) << 5) + ((i & 63) >> 1); }
+// 128 elements four runs of 32, run q holding elements 4k + q (64 packed bytes read as 32 words
+// of four codes, each shifted by 4q), zero-padded to a multiple of 128 elements.
+static inline int64_t quant_xb_stride(int64_t n) { return (n + 127) / 128 * 128; }
+static inline int64_t quant_xb_pos(int64_t i) { return (i & ~int64_t{127}) + ((i & 3) << 5) + ((i & 127) >> 2); }
 static inline void quant_prep_xb(const uint16_t* x, int64_t i0, int64_t i1, int64_t n, bool pad, uint16_t* xb) {
   for (int64_t i = i0; i < i1; ++i) xb[quant_xb_pos(i)] = x[i];
   if (pad)
     for (int64_t i = n; i < quant_xb_stride(n); ++i) xb[quant_xb_pos(i)] = 0;
+}
+
+// avx512bf16's fp8 layout: the bf16 bits in natural order (vdpbf16ps pairs elements 2j and
+// 2j + 1 of 32 bytes widened to words), zero-padded to a multiple of 32 elements.
+static inline void quant_prep_x8b(const uint16_t* x, int64_t i0, int64_t i1, int64_t n, bool pad, uint16_t* xb) {
+  for (int64_t i = i0; i < i1; ++i) xb[i] = x[i];
+  if (pad)
+    for (int64_t i = n; i < (n + 31) / 32 * 32; ++i) xb[i] = 0;
 }
 
 struct CpuExecutorKernels {
@@ -134,14 +141,14 @@ struct CpuExecutorKernels {
   void (*weighted_sum)(float* out, int64_t n, const float* const* ys, const float* ws, int64_t nk, int32_t accumulate);
 
   // Writes x (bf16 bits) into the activation layout this table's dot_q reads for `format`
-  // (quant_prep_x's fp32 layout, or on avx512bf16 for the 4-bit formats quant_prep_xb's bf16
-  // one), into rows of quant_x_stride(n) floats of storage: elements i0 <= i < i1, and with
+  // (quant_prep_x's fp32 layout, or on avx512bf16 the bf16 ones: quant_prep_xb for the 4-bit
+  // formats, quant_prep_x8b for fp8), into rows of quant_x_stride(n) floats of storage: elements i0 <= i < i1, and with
   // pad the zero padding after n (x may be null when i0 == i1).
   void (*prep_x)(int32_t format, const uint16_t* x, int64_t i0, int64_t i1, int64_t n, int32_t pad, float* xf);
 
   // y[c][r] = sum_{i<n} dequant(m, r0 + r, i) * x[c][i] for r < rows, c < cols, with x in the
-  // format's activation layout written by prep_x: products and sums in fp32 (the bf16 layout:
-  // vdpbf16ps over each scale group's codes, then one fma by the group scale). n must be a
+  // format's activation layout written by prep_x: products and sums in fp32 (the bf16 layouts:
+  // vdpbf16ps over each scale group's or 128-wide block's codes, then one fma by its scale). n must be a
   // multiple of the format's group for the 4-bit formats (the op checks).
   void (*dot_q)(const QuantMatrix* m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
                 float* const* y);

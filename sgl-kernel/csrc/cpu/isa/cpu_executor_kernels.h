@@ -338,7 +338,11 @@ static void dot_tile(const uint16_t* w, int64_t w_rs, int64_t rows, const uint16
 //    per dot_q call (fp4_scale_table).
 //  * 4-bit on avx512bf16: x in the bf16 layout, e2m1 codes looked up as bf16 (vpermw), the
 //    exact products of each group summed by vdpbf16ps, then scaled by one fma per group
-//    (qdot_micro_b): the weight is e2m1 itself, the scale applied to the group's dot.
+//    (qdot_micro_b): the weight is e2m1 itself, the scale applied to the group's dot; the
+//    scales of 16 groups decoded at once per row (fp4b_scale16), each step's picked by vpermps.
+//  * fp8 on avx512bf16: x as bf16 in natural order, e4m3 rebiased to bf16 in registers (exact,
+//    subnormals through a vpermw table), each 128-wide block's dot by vdpbf16ps, then one fma
+//    by the block scale (qdot8_micro_b).
 
 static const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -525,56 +529,59 @@ static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* co
 }
 
 #if SGLK_ISA_DPBF16
-// The 4-bit formats on vdpbf16ps, x in the bf16 layout (quant_prep_xb). A step is 64 elements
-// (32 bytes) of a row: the bytes widened to words index a table of the 16 e2m1 values as bf16
-// (vpermw reads 5 index bits: entries 16..31 repeat 0..15, so a byte's high nibble in bit 4 of
-// the word does not matter) for the low nibbles, and shifted right by 4 for the high ones:
-// w_lo[k] = e2m1(element 2k), w_hi[k] = e2m1(element 2k + 1). Lane j of
-// p = vdpbf16ps(vdpbf16ps(0, w_lo, x_lo), w_hi, x_hi) sums the exact products of elements
-// 4j .. 4j + 3, all in one scale group (nvfp4: lanes 4g .. 4g + 3 are group g of the step,
-// mxfp4: lanes 8g .. 8g + 7), and acc = fma(p, s, acc) with s the lanes' group scales. The last
-// partial step loads only the row's bytes (zero codes are 0) and gives the lanes past n a zero
-// scale (x is zero-padded to a multiple of 64).
+// The 4-bit formats on vdpbf16ps, x in the bf16 layout (quant_prep_xb). A step is 128 elements
+// (64 bytes) of a row, read as 32 words of four codes each (elements 4k .. 4k + 3 in word k,
+// lowest nibble first): the words, shifted right by 0, 4, 8 and 12, index a table of the 16
+// e2m1 values as bf16 (vpermw reads 5 index bits: entries 16..31 repeat 0..15, so the next
+// nibble's low bit does not matter), w_q[k] = e2m1(element 4k + q). Lane j of
+// p = vdpbf16ps over q = 0..3 of (w_q, x_q) sums the exact products of elements 8j .. 8j + 7,
+// all in one scale group (nvfp4: lanes 2g, 2g + 1 are group g of the step, mxfp4: lanes
+// 4g .. 4g + 3), and acc = fma(p, s, acc) with s the lanes' group scales. The last partial step
+// loads only the row's bytes (zero codes are 0) and gives the lanes past n a zero scale (x is
+// zero-padded to a multiple of 128).
 static constexpr uint16_t kE2M1Bf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
                                            0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
                                            0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
                                            0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
 
-// Rows per tile of the bf16 4-bit dots (two decoded weight vectors and a scale vector per row;
+// Rows per tile of the bf16 4-bit dots (a step decodes a row in four vectors, used one after the other;
 // one token: 8 rows, as QuantRows).
 template <int C>
 struct Fp4bRows {
   static constexpr int R = C == 1 ? 8 : C == 2 ? 4 : 2;
 };
 
-// The 16 lanes' scales of step i (element offset) of a row with scale bytes s: lanes of group
-// g take st[s[g]]; groups at or past ng (the row's end) get 0.
+// The scales of 16 consecutive groups of a row (scale bytes s, ng of them left in the row) as
+// fp32 lanes, lane k = group k, 0 for k >= ng: one vector per row per 16 groups, from which
+// each step's lanes are picked by vpermps. The values are those of fp4_scale_table, bit for
+// bit: mxfp4 2^(e - 127) is e << 23 (e = 0: 2^-127, 255: inf); nvfp4's e4m3 byte becomes the
+// fp16 number fp8 * 2^-8 (fp8_load's trick, exact), times global * 2^8 (exact): the same one
+// rounding of fp8 * global; the NaN codes 0x7f / 0xff give NaN, as the table's.
 template <int FMT>
-static inline __attribute__((always_inline)) __m512 fp4b_scales(const uint8_t* s, int64_t g0, const float* st,
-                                                                int64_t ng) {
+static inline __attribute__((always_inline)) __m512 fp4b_scale16(const uint8_t* s, int64_t ng, __m512 gmul) {
+  const __mmask16 k = ng >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << ng) - 1u);
+  const __m128i b = _mm_maskz_loadu_epi8(k, s);
   if constexpr (FMT == kFormat_nvfp4) {
-    __m512 v = _mm512_set1_ps(st[s[g0]]);
-    if (ng >= 4) {
-      v = _mm512_mask_mov_ps(v, 0x00F0, _mm512_set1_ps(st[s[g0 + 1]]));
-      v = _mm512_mask_mov_ps(v, 0x0F00, _mm512_set1_ps(st[s[g0 + 2]]));
-      return _mm512_mask_mov_ps(v, 0xF000, _mm512_set1_ps(st[s[g0 + 3]]));
-    }
-    v = _mm512_maskz_mov_ps(0x000F, v);
-    if (ng > 1) v = _mm512_mask_mov_ps(v, 0x00F0, _mm512_set1_ps(st[s[g0 + 1]]));
-    if (ng > 2) v = _mm512_mask_mov_ps(v, 0x0F00, _mm512_set1_ps(st[s[g0 + 2]]));
-    return v;
+    const __m256i h = _mm256_cvtepi8_epi16(b);
+    const __m512 f =
+        _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
+    const __m512 v = _mm512_maskz_mul_ps(k, f, gmul);
+    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    return _mm512_mask_mov_ps(v, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
   } else {
-    const __m512 v = _mm512_set1_ps(st[s[g0]]);
-    if (ng >= 2) return _mm512_mask_mov_ps(v, 0xFF00, _mm512_set1_ps(st[s[g0 + 1]]));
-    return _mm512_maskz_mov_ps(0x00FF, v);
+    const __m512i e = _mm512_cvtepu8_epi32(b);
+    const __m512i v =
+        _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), _mm512_testn_epi32_mask(e, e), _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(k, v));
   }
 }
 
 template <int FMT, int R, int C, bool PF>
 static inline void qdot_micro_b(const QuantMatrix& m, int64_t row, const float* const* xs, int64_t n, float* const* y,
-                                int64_t yo, const float* st) {
+                                int64_t yo, __m512 gmul) {
   constexpr int64_t G = FMT == kFormat_mxfp4 ? kMxfp4Group : kNvfp4Group;
-  constexpr int64_t GS = 64 / G;  // groups per step
+  constexpr int GS = static_cast<int>(128 / G);  // groups per step
+  constexpr int64_t CH = 16 * G;                 // elements per 16 groups (one scale vector)
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -592,50 +599,142 @@ static inline void qdot_micro_b(const QuantMatrix& m, int64_t row, const float* 
   const int64_t next = R * m.w_rs;
   const __m512i tab = _mm512_loadu_si512(kE2M1Bf16);
   const __m512 z = _mm512_setzero_ps();
-  auto step = [&](int64_t i, const __m512i(&v)[R], int64_t ng) __attribute__((always_inline)) {
-    __m512i wl[R], wh[R];
-    __m512 sv[R];
+  // lane j of a step holds elements 8j .. 8j + 7: group j / (16 / GS) of the step
+  const __m512i ix0 =
+      _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), GS == 8 ? 1 : 2);
+  auto step = [&](int64_t i, const __m512i(&v)[R], const __m512(&sc)[R], __m512i ix) __attribute__((always_inline)) {
     for (int r = 0; r < R; ++r) {
-      wl[r] = _mm512_permutexvar_epi16(v[r], tab);
-      wh[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 4), tab);
-      sv[r] = fp4b_scales<FMT>(s[r], i / G, st, ng);
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m512i xl = _mm512_loadu_si512(x[c] + i), xh = _mm512_loadu_si512(x[c] + i + 32);
-      for (int r = 0; r < R; ++r) {
-        const __m512 p =
-            _mm512_dpbf16_ps(_mm512_dpbf16_ps(z, (__m512bh)wl[r], (__m512bh)xl), (__m512bh)wh[r], (__m512bh)xh);
-        acc[r][c] = _mm512_fmadd_ps(p, sv[r], acc[r][c]);
+      const __m512i w0 = _mm512_permutexvar_epi16(v[r], tab);
+      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 4), tab);
+      const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 8), tab);
+      const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 12), tab);
+      const __m512 sv = _mm512_permutexvar_ps(ix, sc[r]);
+      for (int c = 0; c < C; ++c) {
+        const uint16_t* xc = x[c] + i;
+        __m512 p = _mm512_dpbf16_ps(z, (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xc));
+        p = _mm512_dpbf16_ps(p, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xc + 32));
+        p = _mm512_dpbf16_ps(p, (__m512bh)w2, (__m512bh)_mm512_loadu_si512(xc + 64));
+        p = _mm512_dpbf16_ps(p, (__m512bh)w3, (__m512bh)_mm512_loadu_si512(xc + 96));
+        acc[r][c] = _mm512_fmadd_ps(p, sv, acc[r][c]);
       }
     }
   };
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    if constexpr (PF)
-      if (i % 128 == 0)
+  for (int64_t c0 = 0; c0 < n; c0 += CH) {
+    __m512 sc[R];
+    for (int r = 0; r < R; ++r) sc[r] = fp4b_scale16<FMT>(s[r] + c0 / G, (n - c0) / G, gmul);
+    const int64_t c1 = n - c0 < CH ? n : c0 + CH;
+    __m512i ix = ix0;
+    int64_t i = c0;
+    for (; i + 128 <= c1; i += 128) {
+      if constexpr (PF)
         for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i / 2);
-    __m512i v[R];
-    for (int r = 0; r < R; ++r)
-      v[r] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2)));
-    step(i, v, GS);
-  }
-  if (i < n) {  // n - i is a multiple of G below 64
-    const __mmask32 bm = static_cast<__mmask32>((1u << ((n - i) / 2)) - 1u);
-    __m512i v[R];
-    for (int r = 0; r < R; ++r) v[r] = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bm, w[r] + i / 2));
-    step(i, v, (n - i) / G);
+      __m512i v[R];
+      for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(w[r] + i / 2);
+      step(i, v, sc, ix);
+      ix = _mm512_add_epi32(ix, _mm512_set1_epi32(GS));
+    }
+    if (i < c1) {  // the row's last, partial step: n - i is a multiple of G below 128
+      const __mmask64 bm = (uint64_t{1} << ((c1 - i) / 2)) - 1u;
+      __m512i v[R];
+      for (int r = 0; r < R; ++r) v[r] = _mm512_maskz_loadu_epi8(bm, w[r] + i / 2);
+      step(i, v, sc, ix);
+    }
   }
   reduce_tile<R, C>(acc, y, yo);
 }
 
 template <int FMT, int C>
 static inline void qdot_rows_b(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t n,
-                               float* const* y, const float* st) {
+                               float* const* y) {
   constexpr int R = Fp4bRows<C>::R;
+  const __m512 gmul = _mm512_set1_ps(FMT == kFormat_nvfp4 ? m.global * 256.0f : 1.0f);
   int64_t r = 0;
-  for (; r + 2 * R <= rows; r += R) qdot_micro_b<FMT, R, C, true>(m, r0 + r, x, n, y, r, st);
-  for (; r + R <= rows; r += R) qdot_micro_b<FMT, R, C, false>(m, r0 + r, x, n, y, r, st);
-  for (; r < rows; ++r) qdot_micro_b<FMT, 1, C, false>(m, r0 + r, x, n, y, r, st);
+  for (; r + 2 * R <= rows; r += R) qdot_micro_b<FMT, R, C, true>(m, r0 + r, x, n, y, r, gmul);
+  for (; r + R <= rows; r += R) qdot_micro_b<FMT, R, C, false>(m, r0 + r, x, n, y, r, gmul);
+  for (; r < rows; ++r) qdot_micro_b<FMT, 1, C, false>(m, r0 + r, x, n, y, r, gmul);
+}
+
+// fp8 on vdpbf16ps, x as bf16 in natural order (quant_prep_x8b). Every e4m3 value is exact in
+// bf16; a step decodes 32 bytes of a row, widened with their sign to words, to bf16 words of
+// fp8 * 2^8: shifted left by 4, the magnitude bits sit in bf16's exponent (bits 7..10) and
+// mantissa (4..6), the sign in bit 15; or'ing in bit 14 adds 128 to the exponent (the bias
+// 7 -> 127 and the 2^8). The subnormal codes (exponent 0: 0 and m * 2^-9) take m * 2^-1 from a
+// vpermw table instead (vdpbf16ps would flush them otherwise); the NaN codes 0x7f / 0xff decode
+// as +-480 * 2^8, as fp8_load's. Lane j of vdpbf16ps adds the exact products of elements 2j and
+// 2j + 1; the four steps of a 128-wide block go to one per-block sum p, and
+// acc = fma(p, scale * 2^-8, acc) applies the block's scale once. The last partial step loads
+// only the row's bytes (zero codes are 0; x is zero-padded to a multiple of 32).
+static constexpr uint16_t kE4M3SubBf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4020, 0x4040, 0x4060};
+
+static inline __attribute__((always_inline)) __m512i fp8b_decode(__m256i bytes, __m512i sub) {
+  const __m512i sx = _mm512_cvtepi8_epi16(bytes);
+  const __m512i t = _mm512_slli_epi16(sx, 4);
+  // (t & 0x07F0) | 0x4000: the magnitude of a normal code
+  __m512i v = _mm512_ternarylogic_epi32(t, _mm512_set1_epi16(0x07F0), _mm512_set1_epi16(0x4000), 0xEA);
+  v = _mm512_mask_permutexvar_epi16(v, _mm512_testn_epi16_mask(sx, _mm512_set1_epi16(0x0078)), sx, sub);
+  // v | (t & 0x8000): the sign
+  return _mm512_ternarylogic_epi32(v, t, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+}
+
+template <int C>
+struct Fp8bRows {
+  static constexpr int R = C == 1 ? 8 : C == 2 ? 4 : 2;
+};
+
+template <int R, int C, bool PF>
+static inline void qdot8_micro_b(const QuantMatrix& m, int64_t row, const float* const* xs, int64_t n, float* const* y,
+                                 int64_t yo) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint16_t* x[C];
+  for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const uint16_t*>(xs[c]);
+  const uint8_t* w[R];
+  const float* s[R];
+  for (int r = 0; r < R; ++r) {
+    w[r] = m.w + (row + r) * m.w_rs;
+    s[r] = static_cast<const float*>(m.scale) + ((row + r) / kFp8Block) * m.scale_rs;
+  }
+  const int64_t next = R * m.w_rs;
+  const __m512i sub = _mm512_loadu_si512(kE4M3SubBf16);
+  for (int64_t b0 = 0; b0 < n; b0 += kFp8Block) {
+    const int64_t b1 = n - b0 < kFp8Block ? n : b0 + kFp8Block;
+    __m512 p[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_ps();
+    for (int64_t i = b0; i < b1; i += 32) {
+      if constexpr (PF)
+        if (i % 64 == 0)
+          for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i);
+      __m512i wv[R];
+      if (i + 32 <= b1) {
+        for (int r = 0; r < R; ++r)
+          wv[r] = fp8b_decode(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i)), sub);
+      } else {
+        const __mmask32 bm = static_cast<__mmask32>((1u << (b1 - i)) - 1u);
+        for (int r = 0; r < R; ++r) wv[r] = fp8b_decode(_mm256_maskz_loadu_epi8(bm, w[r] + i), sub);
+      }
+      for (int c = 0; c < C; ++c) {
+        const __m512i xv = _mm512_loadu_si512(x[c] + i);
+        for (int r = 0; r < R; ++r) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)wv[r], (__m512bh)xv);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sv = _mm512_set1_ps(s[r][b0 / kFp8Block] * (1.0f / 256.0f));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(p[r][c], sv, acc[r][c]);
+    }
+  }
+  reduce_tile<R, C>(acc, y, yo);
+}
+
+template <int C>
+static inline void qdot8_rows_b(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t n,
+                                float* const* y) {
+  constexpr int R = Fp8bRows<C>::R;
+  int64_t r = 0;
+  for (; r + 2 * R <= rows; r += R) qdot8_micro_b<R, C, true>(m, r0 + r, x, n, y, r);
+  for (; r + R <= rows; r += R) qdot8_micro_b<R, C, false>(m, r0 + r, x, n, y, r);
+  for (; r < rows; ++r) qdot8_micro_b<1, C, false>(m, r0 + r, x, n, y, r);
 }
 #endif
 
@@ -654,32 +753,38 @@ static inline void qdot_rows(const QuantMatrix& m, int64_t r0, int64_t rows, con
 template <int FMT>
 static void qdot_format(const QuantMatrix& m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
                         float* const* y) {
-  alignas(64) float st[256];
-  if constexpr (FMT != kFormat_fp8) fp4_scale_table<FMT>(m, st);
   int64_t c = 0;
 #if SGLK_ISA_DPBF16
-  if constexpr (FMT != kFormat_fp8) {
-    for (; c + 4 <= cols; c += 4) qdot_rows_b<FMT, 4>(m, r0, rows, x + c, n, y + c, st);
-    if (cols - c == 1) qdot_rows_b<FMT, 1>(m, r0, rows, x + c, n, y + c, st);
-    if (cols - c == 2) qdot_rows_b<FMT, 2>(m, r0, rows, x + c, n, y + c, st);
-    if (cols - c == 3) qdot_rows_b<FMT, 3>(m, r0, rows, x + c, n, y + c, st);
-    return;
+  if constexpr (FMT == kFormat_fp8) {
+    for (; c + 4 <= cols; c += 4) qdot8_rows_b<4>(m, r0, rows, x + c, n, y + c);
+    if (cols - c == 1) qdot8_rows_b<1>(m, r0, rows, x + c, n, y + c);
+    if (cols - c == 2) qdot8_rows_b<2>(m, r0, rows, x + c, n, y + c);
+    if (cols - c == 3) qdot8_rows_b<3>(m, r0, rows, x + c, n, y + c);
+  } else {
+    for (; c + 4 <= cols; c += 4) qdot_rows_b<FMT, 4>(m, r0, rows, x + c, n, y + c);
+    if (cols - c == 1) qdot_rows_b<FMT, 1>(m, r0, rows, x + c, n, y + c);
+    if (cols - c == 2) qdot_rows_b<FMT, 2>(m, r0, rows, x + c, n, y + c);
+    if (cols - c == 3) qdot_rows_b<FMT, 3>(m, r0, rows, x + c, n, y + c);
   }
-#endif
+#else
+  alignas(64) float st[256];
+  if constexpr (FMT != kFormat_fp8) fp4_scale_table<FMT>(m, st);
   for (; c + 4 <= cols; c += 4) qdot_rows<FMT, 4>(m, r0, rows, x + c, n, y + c, st);
   if (cols - c == 1) qdot_rows<FMT, 1>(m, r0, rows, x + c, n, y + c, st);
   if (cols - c == 2) qdot_rows<FMT, 2>(m, r0, rows, x + c, n, y + c, st);
   if (cols - c == 3) qdot_rows<FMT, 3>(m, r0, rows, x + c, n, y + c, st);
+#endif
 }
 
 static void prep_x(int32_t format, const uint16_t* x, int64_t i0, int64_t i1, int64_t n, int32_t pad, float* xf) {
 #if SGLK_ISA_DPBF16
-  if (format != kFormat_fp8) {
+  if (format == kFormat_fp8)
+    quant_prep_x8b(x, i0, i1, n, pad != 0, reinterpret_cast<uint16_t*>(xf));
+  else
     quant_prep_xb(x, i0, i1, n, pad != 0, reinterpret_cast<uint16_t*>(xf));
-    return;
-  }
-#endif
+#else
   quant_prep_x(format, x, i0, i1, n, pad != 0, xf);
+#endif
 }
 
 static void dot_q(const QuantMatrix* m, int64_t r0, int64_t rows, const float* const* x, int64_t cols, int64_t n,
