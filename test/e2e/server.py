@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import requests
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,24 +73,29 @@ class Server:
     args: list[str] = field(default_factory=list)
 
     def stop(self, graceful: bool = False) -> None:
-        """Stop the server and every process it started (its process group).
+        """Stop the server and every process it started (its process group), and wait until
+        they are gone (so the next server does not start beside a dying one).
 
         By default the group is killed at once: tests and benchmarks need no drain, and
         upstream's graceful path (SIGTERM: drain, then a 5 s wait before its crash
         diagnostics when a child went first) costs ~5 s per server. ``graceful`` sends SIGTERM
         to the launcher alone and waits up to 30 s for its own shutdown (then kills)."""
-        if self.proc.poll() is None:
-            if graceful:
-                os.kill(self.proc.pid, signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        if graceful and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 pass
-            self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        psutil.wait_procs(children, timeout=30)
 
     def alive(self) -> bool:
         return (
