@@ -19,8 +19,11 @@ from sglang.srt.entrypoints import subprocess_start as ss
 
 @pytest.fixture
 def launcher(monkeypatch):
-    """As in the ``python -m sglang.launch_server`` process on a machine without CUDA."""
+    """As in the ``python -m sglang.launch_server`` process on a machine without CUDA. The
+    threads earlier tests left in this pytest process are not counted: a thread started here is."""
     monkeypatch.delenv(ss.ENV, raising=False)
+    base = threading.active_count()
+    monkeypatch.setattr(ss, "_thread_count", lambda: threading.active_count() - base + 1)
     monkeypatch.setattr(ss, "_main_module", lambda: ss.LAUNCHER_MODULE)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 

@@ -51,6 +51,11 @@ def _main_module() -> str | None:
     return getattr(spec, "name", None)
 
 
+def _thread_count() -> int:
+    """Python threads alive in this process (``threading.active_count``)."""
+    return threading.active_count()
+
+
 def subprocess_start_method(device: str | None, numa_node=None) -> str:
     """The start method for the launcher's children.
 
@@ -73,7 +78,7 @@ def subprocess_start_method(device: str | None, numa_node=None) -> str:
         return forced
     if device != "cpu" or numa_node is not None:
         return "spawn"
-    if _main_module() != LAUNCHER_MODULE or threading.active_count() > 1:
+    if _main_module() != LAUNCHER_MODULE or _thread_count() > 1:
         return "spawn"
     import torch
 
