@@ -1,4 +1,5 @@
-"""CPU executor epilogue: per-expert biases and the clamped SwiGLU activations (gpt-oss).
+"""CPU executor epilogue: per-expert biases and the activations (gpt-oss's clamped SwiGLU,
+DeepSeek-V4's clamped SiLU, Gemma 4's tanh GELU).
 
 Oracles:
 
@@ -13,7 +14,7 @@ Oracles:
   unclamped activation, the SiLU activation, a missing bias or the interleaved layout are
   each asserted to miss that tolerance.
 * synthetic bf16 experts: a float64 formula per activation (``swiglu_limit`` from upstream's
-  ``swiglu_limit_func`` definition) with ``h`` rounded to bf16 like the executor, the
+  ``swiglu_limit_func`` definition, ``gelu_tanh`` torch's ``gelu(approximate="tanh")``) with ``h`` rounded to bf16 like the executor, the
   ``test_kernel.py`` tolerance (2e-3).
 
 Exactness (no tolerance): with biases and each activation, thread counts, bank-set splits and
@@ -192,15 +193,20 @@ ACTS = {
     "silu": {},
     "swiglu_oai": dict(activation="swiglu_oai", alpha=1.702, limit=7.0),
     "swiglu_limit": dict(activation="swiglu_limit", limit=3.0),
+    "gelu_tanh": dict(activation="gelu_tanh"),
 }
+CLAMPED = ("swiglu_oai", "swiglu_limit")
 
 
 def act_ref(name, g, u, limit=None):
     """float64 activations: transformers' GptOssExperts._apply_gate (swiglu_oai) and upstream
-    fused_marlin_moe.swiglu_limit_func's torch path (swiglu_limit); ``limit`` overrides ACTS'."""
+    fused_marlin_moe.swiglu_limit_func's torch path (swiglu_limit), torch's tanh GELU
+    (gelu_tanh: transformers' gelu_pytorch_tanh); ``limit`` overrides ACTS'."""
     F = torch.nn.functional
     if name == "silu":
         return F.silu(g) * u
+    if name == "gelu_tanh":
+        return F.gelu(g, approximate="tanh") * u
     lim = ACTS[name]["limit"] if limit is None else limit
     g, u = g.clamp(max=lim), u.clamp(-lim, lim)
     if name == "swiglu_oai":
@@ -241,7 +247,7 @@ def run(x, tw, rows_list, sets, out, act):
 
 
 def test_activation_names_come_from_the_op():
-    assert expert_activations() == ["silu", "swiglu_oai", "swiglu_limit"]
+    assert expert_activations() == ["silu", "swiglu_oai", "swiglu_limit", "gelu_tanh"]
 
 
 @pytest.mark.parametrize("name", list(ACTS))
@@ -252,7 +258,10 @@ def test_bf16_epilogue_matches_float64(executor_isa, name, shape):
     out = torch.empty(ref.shape)
     run(x, tw, [rows], [banks], out, ACTS[name])
     torch.testing.assert_close(out.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=2e-3)
-    if name != "silu":  # the clamp matters at this input scale
+    if name == "gelu_tanh":  # not the SiLU (tanh vs erf GELU differ below bf16's rounding of h)
+        wrong = reference("silu", x, tw, rows, banks)
+        assert not torch.allclose(wrong, ref, atol=2e-3 * ref.abs().max().item(), rtol=2e-3)
+    if name in CLAMPED:  # the clamp matters at this input scale
         unclamped = reference(name, x, tw, rows, banks, limit=1e9)
         assert not torch.allclose(unclamped, ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
 
@@ -272,7 +281,7 @@ def split_sets(rows, banks, nsets, seed):
     return srows, sets
 
 
-@pytest.mark.parametrize("name", ["swiglu_oai", "swiglu_limit"])
+@pytest.mark.parametrize("name", ["swiglu_oai", "swiglu_limit", "gelu_tanh"])
 def test_epilogue_bit_identical_across_threads_splits_chunks(executor_isa, name, monkeypatch):
     x, tw, rows, banks = make_problem(40, 4, 96, 72, 6, seed=3)
     act = ACTS[name]
@@ -384,6 +393,8 @@ def test_bad_combinations_are_refused():
         moe_experts_cpu(x, tw, [rows], out=out, **base, activation="gelu")
     with pytest.raises(ValueError, match="takes no alpha"):
         activation_args("silu", limit=7.0)
+    with pytest.raises(ValueError, match="takes no alpha"):
+        activation_args("gelu_tanh", alpha=1.0)
     with pytest.raises(ValueError, match="needs limit"):
         activation_args("swiglu_limit")
     with pytest.raises(ValueError, match="takes no alpha"):

@@ -46,3 +46,15 @@ def test_installed_torchvision_keeps_multimodal(tmp_path, monkeypatch):
     monkeypatch.setattr(pb, "torchvision_available", lambda: True)
     _write(tmp_path, pb.VIDEO_PROCESSOR_FILE, {})
     assert pb.text_only_reason(str(tmp_path)) is None
+
+
+def test_processor_class_importing_torchvision(tmp_path, no_torchvision):
+    """Gemma 4 ships no video processor config, but transformers' ``Gemma4Processor`` module
+    imports torchvision: the model type decides (a text model type has no processor class)."""
+    pytest.importorskip("transformers")
+    if pb.importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the processor imports")
+    _write(tmp_path, "config.json", {"model_type": "gemma4"})
+    assert "model type 'gemma4' (Gemma4Processor)" in pb.text_only_reason(str(tmp_path))
+    _write(tmp_path, "config.json", {"model_type": "qwen3_moe"})
+    assert pb.text_only_reason(str(tmp_path)) is None

@@ -35,6 +35,9 @@ Activations (``activation``; names from ``SGLK_EXPERT_ACTIVATIONS``, :func:`expe
     swiglu_limit  act(g, u) = silu(min(g, limit)) * clamp(u, -limit, limit)
                                                                  (DeepSeek-V4's swiglu_limit;
                                                                   upstream swiglu_limit_func)
+    gelu_tanh     act(g, u) = gelu_tanh(g) * u, gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi)
+                  (g + 0.044715 g^3)))                           (Gemma 4: gelu_pytorch_tanh;
+                                                                  SGLang's GeluAndMul)
 
 Gate and up are always the two halves of ``w13`` (rows ``[0, I)`` and ``[I, 2I)``); a checkpoint
 that interleaves them (gpt-oss: even rows gate, odd rows up) is de-interleaved once when its banks
@@ -118,7 +121,8 @@ def format_code(fmt: Union[str, int]) -> int:
 
 
 def expert_activations() -> list:
-    """The ``activation`` names in code order (``silu``, ``swiglu_oai``, ``swiglu_limit``), from
+    """The ``activation`` names in code order (``silu``, ``swiglu_oai``, ``swiglu_limit``,
+    ``gelu_tanh``), from
     ``SGLK_EXPERT_ACTIVATIONS`` in ``csrc/cpu/isa/cpu_executor_args.h``."""
     return list(_ops.expert_cache_enum("expert_activation"))
 
@@ -135,8 +139,8 @@ def activation_args(
     """The op's ``(activation, alpha, limit)`` for an activation of :func:`expert_activations`.
 
     ``swiglu_oai`` defaults to gpt-oss's ``alpha = 1.702``, ``limit = 7.0``; ``swiglu_limit``
-    needs ``limit`` (DeepSeek-V4's ``swiglu_limit``) and takes no ``alpha``; ``silu`` takes
-    neither. An int ``activation`` is an op code with the op's values (what this function
+    needs ``limit`` (DeepSeek-V4's ``swiglu_limit``) and takes no ``alpha``; ``silu`` and
+    ``gelu_tanh`` take neither. An int ``activation`` is an op code with the op's values (what this function
     returns): only checked, so a resolved triple passes through unchanged.
 
     Raises:
@@ -151,7 +155,8 @@ def activation_args(
             )
         alpha = SWIGLU_OAI_ALPHA if alpha is None else float(alpha)
         limit = SWIGLU_OAI_LIMIT if limit is None else float(limit)
-        if names[activation] != "silu" and not (math.isfinite(limit) and limit > 0):
+        clamped = names[activation] not in ("silu", "gelu_tanh")
+        if clamped and not (math.isfinite(limit) and limit > 0):
             raise ValueError(f"limit must be finite and > 0, got {limit}")
         if not math.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha}")
@@ -160,12 +165,13 @@ def activation_args(
         raise ValueError(
             f"unknown activation {activation!r}; the CPU executor computes {', '.join(names)}"
         )
-    if activation == "silu":
+    if activation in ("silu", "gelu_tanh"):
         if alpha is not None or limit is not None:
             raise ValueError(
-                "activation 'silu' takes no alpha / limit; use 'swiglu_oai' or 'swiglu_limit'"
+                f"activation {activation!r} takes no alpha / limit; use 'swiglu_oai' or "
+                "'swiglu_limit'"
             )
-        return names.index("silu"), SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+        return names.index(activation), SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
     if activation == "swiglu_limit":
         if alpha is not None:
             raise ValueError(

@@ -30,9 +30,39 @@ def torchvision_available() -> bool:
     return importlib.util.find_spec("torchvision") is not None
 
 
+def _processor_class_needs_torchvision(model_dir: Path) -> Optional[str]:
+    """``"model type 'T' (Processor)"`` when the processor class that transformers maps the
+    checkpoint's ``model_type`` to imports torchvision at import time (Gemma 4's
+    ``Gemma4Processor``), or None.
+
+    Only called when torchvision is not installed, so the import fails at once and cleanly."""
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    if not name:
+        return None
+    import transformers
+
+    try:
+        getattr(transformers, name)
+    except ImportError as e:
+        missing = {
+            (getattr(err, "name", None) or "").split(".")[0] for err in (e, e.__cause__)
+        }
+        if "torchvision" in missing:  # transformers re-raises it with the class's name
+            return f"model type {model_type!r} ({name})"
+    return None
+
+
 def processor_needs_torchvision(model_dir: Path) -> Optional[str]:
-    """The file of ``model_dir`` whose processor transformers builds on torchvision (a video
-    processor config, or an image processor config naming a ``*Fast`` processor), or None."""
+    """What of ``model_dir`` transformers builds on torchvision, or None: a video processor
+    config, an image processor config naming a ``*Fast`` processor, or the model type's
+    processor class whose module imports torchvision (``config.json``'s ``model_type``, as
+    ``AutoProcessor`` maps it)."""
     if (model_dir / VIDEO_PROCESSOR_FILE).is_file():
         return VIDEO_PROCESSOR_FILE
     image = model_dir / IMAGE_PROCESSOR_FILE
@@ -43,6 +73,8 @@ def processor_needs_torchvision(model_dir: Path) -> Optional[str]:
             return None  # unreadable: let transformers report it as it would
         if kind.endswith("Fast"):
             return f"{IMAGE_PROCESSOR_FILE} ({kind})"
+    if (cls := _processor_class_needs_torchvision(model_dir)) is not None:
+        return cls
     return None
 
 

@@ -50,8 +50,13 @@ enum ExpertFormatCode : int32_t { SGLK_EXPERT_FORMATS(SGLK_EXPERT_FORMAT_ENUMERA
 //                                                                   GptOssExperts._apply_gate)
 //   swiglu_limit  h = silu(min(g, limit)) * clamp(u, -limit, limit) (DeepSeek-V4's swiglu_limit:
 //                                                                   upstream swiglu_limit_func)
+//   gelu_tanh     h = gelu_tanh(g) * u, gelu_tanh(g) = g * sigmoid(2c (g + 0.044715 g^3)),
+//                 c = sqrt(2 / pi)                                 (Gemma 4: transformers'
+//                                                                   gelu_pytorch_tanh, SGLang's
+//                                                                   GeluAndMul; 0.5 (1 + tanh z)
+//                                                                   = sigmoid(2 z))
 // g and u are the gate and up halves (w13 rows [0, I) and [I, 2I)), their biases added.
-#define SGLK_EXPERT_ACTIVATIONS(X) X(silu) X(swiglu_oai) X(swiglu_limit)
+#define SGLK_EXPERT_ACTIVATIONS(X) X(silu) X(swiglu_oai) X(swiglu_limit) X(gelu_tanh)
 #define SGLK_EXPERT_ACTIVATION_ENUMERATOR(name) kAct_##name,
 enum ExpertActivationCode : int32_t { SGLK_EXPERT_ACTIVATIONS(SGLK_EXPERT_ACTIVATION_ENUMERATOR) kActCount };
 #undef SGLK_EXPERT_ACTIVATION_ENUMERATOR

@@ -822,8 +822,21 @@ static inline void swiglu_limit_vec(const float* g, const float* u, vf limit, ui
   v_store_bf16(h, v_mul(s, uv));
 }
 
+// Gemma 4's tanh-approximated GELU: g / (1 + exp(-2c (g + 0.044715 g^3))) * u, c = sqrt(2 / pi)
+// (the tanh form 0.5 g (1 + tanh(c (g + 0.044715 g^3))) written through sigmoid(2z); exp
+// overflows to inf for very negative g, giving -0 as the tanh form's limit).
+static inline void gelu_tanh_mul_vec(const float* g, const float* u, uint16_t* h) {
+  const vf gv = v_load(g);
+  const vf inner = v_mul(gv, v_fma(v_set1(0.044715f), v_mul(gv, gv), v_set1(1.0f)));
+  const vf z = v_mul(v_set1(-1.5957691216057308f), inner);  // -2 sqrt(2 / pi)
+  const vf s = v_div(gv, v_add(v_set1(1.0f), v_exp(z)));
+  v_store_bf16(h, v_mul(s, v_load(u)));
+}
+
 static inline void glu_vec(const float* g, const float* u, const Activation& a, uint16_t* h) {
-  if (a.code == kAct_swiglu_oai)
+  if (a.code == kAct_gelu_tanh)
+    gelu_tanh_mul_vec(g, u, h);
+  else if (a.code == kAct_swiglu_oai)
     swiglu_oai_vec(g, u, v_set1(a.alpha), v_set1(a.limit), h);
   else if (a.code == kAct_swiglu_limit)
     swiglu_limit_vec(g, u, v_set1(a.limit), h);
