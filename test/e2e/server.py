@@ -32,6 +32,7 @@ DEFAULT_MODELS = {
     "olmoe": "olmoe-tiny",
     "deepseek_v3": "deepseek-v3-tiny",
     "gpt_oss": "gpt-oss-tiny",
+    "gemma4": "gemma4-moe-tiny",
 }
 # Quantized tiny models: (architecture, --quant) of the builder.
 QUANTIZED = {

@@ -112,8 +112,10 @@ def test_gpt_oss_mxfp4_experts_get_the_cache_with_their_swiglu(monkeypatch):
         (dict(gemm1_alpha=1.702), "needs gemm1_clamp_limit"),
         (dict(gemm1_clamp_limit=7.0), "without gemm1_alpha is not supported"),
         (dict(gemm1_beta=1.0, **GPT_OSS), "gemm1_beta are not supported"),
-        (dict(activation="gelu"), "only gated SiLU experts"),
-        (dict(is_gated=False), "only gated SiLU experts"),
+        (dict(activation="gelu"), ("gelu_tanh", None, None)),  # Gemma 4
+        (dict(activation="gelu", swiglu_limit=7.0), "GELU experts with swiglu_limit"),
+        (dict(activation="relu2"), "only gated SiLU and GELU experts"),
+        (dict(is_gated=False), "only gated SiLU and GELU experts"),
     ],
 )
 def test_expert_activation_reads_the_runner_config(cfg, want):
@@ -129,7 +131,7 @@ def test_expert_activation_reads_the_runner_config(cfg, want):
 
 def test_every_problem_is_listed_with_what_to_change(monkeypatch):
     _context(monkeypatch, tp=2, paged=True, expert_cache_max_fills=0)
-    layer = _layer(activation="gelu", apply_router_weight_on_input=True)
+    layer = _layer(activation="relu2", apply_router_weight_on_input=True)
     layer.num_fused_shared_experts = 1
     with pytest.raises(RuntimeError) as err:
         make_for_layer(layer, object())
@@ -138,7 +140,7 @@ def test_every_problem_is_listed_with_what_to_change(monkeypatch):
         "--tp-size must be 1",
         "--enable-paged-experts and --enable-expert-cache exclude each other",
         "experts are not supported yet: serve the bf16 checkpoint",
-        "only gated SiLU experts are supported (got gelu",
+        "only gated SiLU and GELU experts are supported (got relu2",
         "router weights applied on the input are not supported",
         "drop --enforce-shared-experts-fusion",
         "--expert-cache-max-fills must be >= 1",

@@ -1,7 +1,7 @@
-"""The Mixtral-, OLMoE- and DeepSeek-V3-style tiny models (``--arch mixtral`` / ``olmoe`` /
-``deepseek_v3``): config, tensor names, and transformers loading them with nothing missing or
-unexpected and routing as configured. The serving path is
-``test/e2e/test_expert_cache_{mixtral_olmoe,deepseek}.py``.
+"""The Mixtral-, OLMoE-, DeepSeek-V3- and Gemma-4-style tiny models (``--arch mixtral`` /
+``olmoe`` / ``deepseek_v3`` / ``gemma4``): config, tensor names, and transformers loading them
+with nothing missing or unexpected and routing as configured. The serving path is
+``test/e2e/test_expert_cache_{mixtral_olmoe,deepseek,gemma4}.py``.
 """
 
 import json
@@ -12,7 +12,7 @@ import torch
 LAYERS, HIDDEN = 4, 256
 
 
-@pytest.fixture(scope="module", params=["mixtral", "olmoe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "deepseek_v3", "gemma4"])
 def built(request, tm, tmp_path_factory):
     arch = request.param
     return arch, tm.build(arch, tmp_path_factory.mktemp("m") / arch)
@@ -30,6 +30,25 @@ def test_config_and_tensor_names_follow_the_release(built):
     raw = json.loads((d / "config.json").read_text())
     names = _names(d)
     a = "model.layers.0.self_attn."
+    if arch == "gemma4":  # google/gemma-4-26B-A4B's layout: a VLM wrapper, fused experts
+        assert raw["architectures"] == ["Gemma4ForConditionalGeneration"]
+        t = raw["text_config"]
+        assert (t["enable_moe_block"], t["num_experts"], t["top_k_experts"]) == (True, 32, 4)
+        assert t["layer_types"][-1] == "full_attention" and t["global_head_dim"] > t["head_dim"]
+        assert raw["tie_word_embeddings"] and "lm_head.weight" not in names
+        p = "model.language_model.layers.0."
+        for w in (
+            "experts.gate_up_proj",
+            "experts.down_proj",
+            "router.proj.weight",
+            "router.scale",
+            "router.per_expert_scale",
+            "mlp.gate_proj.weight",
+        ):
+            assert p + w in names, w
+        assert any(n.startswith("model.vision_tower.") for n in names)
+        assert set(names.values()) == {"BF16"}
+        return
     if arch == "deepseek_v3":
         assert raw["architectures"] == ["DeepseekV3ForCausalLM"]
         assert (raw["topk_method"], raw["scoring_func"], raw["routed_scaling_factor"]) == (
@@ -80,11 +99,23 @@ def test_transformers_loads_every_tensor_and_routes_as_configured(built):
         "mixtral": "MixtralForCausalLM",
         "olmoe": "OlmoeForCausalLM",
         "deepseek_v3": "DeepseekV3ForCausalLM",
+        "gemma4": "Gemma4ForConditionalGeneration",
     }
     assert type(model).__name__ == want[arch]
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
         info
     )
+    if arch == "gemma4":  # the router's top-k over real hidden states spreads over the experts
+        lm = model.model.language_model
+        assert len(lm.layers) == LAYERS
+        ids = torch.arange(1, 65).reshape(1, 64)
+        with torch.no_grad():
+            h = lm.embed_tokens(ids).reshape(64, -1)
+            _, _, top = lm.layers[0].router(h)
+            out = model(ids)
+        assert top.shape == (64, 4) and top.unique().numel() > 32 // 2
+        assert torch.isfinite(out.logits).all()
+        return
     assert len(model.model.layers) == LAYERS
     if arch == "deepseek_v3":  # no router logits output: the model runs and the MoE is there
         assert type(model.model.layers[1].mlp).__name__ == "DeepseekV3MoE"

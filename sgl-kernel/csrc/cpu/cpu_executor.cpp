@@ -560,9 +560,9 @@ std::vector<std::shared_ptr<PoolJob>> make_jobs(const at::Tensor& hidden, const 
             " sets), got ", ep.w2_bias.size());
   MOE_CHECK(ep.act.code >= 0 && ep.act.code < kActCount, "activation must be one of ", activation_values(), ", got ",
             ep.act.code);
-  MOE_CHECK(ep.act.code == kAct_silu || ep.act.code == kAct_gelu_tanh ||
-                (std::isfinite(ep.act.limit) && ep.act.limit > 0.0f),
-            "limit must be a finite number > 0 for the clamped activations, got ", ep.act.limit);
+  MOE_CHECK(
+      ep.act.code == kAct_silu || ep.act.code == kAct_gelu_tanh || (std::isfinite(ep.act.limit) && ep.act.limit > 0.0f),
+      "limit must be a finite number > 0 for the clamped activations, got ", ep.act.limit);
   MOE_CHECK(ep.act.code != kAct_swiglu_oai || std::isfinite(ep.act.alpha), "alpha must be finite, got ", ep.act.alpha);
   const int64_t T = hidden.size(0), H = hidden.size(1);
   MOE_CHECK(topk_weights.device().is_cpu() && topk_weights.dim() == 2 && topk_weights.scalar_type() == at::kFloat &&

@@ -50,9 +50,7 @@ def _processor_class_needs_torchvision(model_dir: Path) -> Optional[str]:
     try:
         getattr(transformers, name)
     except ImportError as e:
-        missing = {
-            (getattr(err, "name", None) or "").split(".")[0] for err in (e, e.__cause__)
-        }
+        missing = {(getattr(err, "name", None) or "").split(".")[0] for err in (e, e.__cause__)}
         if "torchvision" in missing:  # transformers re-raises it with the class's name
             return f"model type {model_type!r} ({name})"
     return None

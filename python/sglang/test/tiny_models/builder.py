@@ -8,7 +8,8 @@ which is what is stored, so a float32 run of the model is an exact upcast.
 
 The checkpoint uses the original Hugging Face layout of the released Qwen and GLM checkpoints (one
 tensor per expert projection, ``mlp.experts.{j}.gate_proj.weight``...), which both transformers
-(it fuses experts on load) and SGLang's model loaders read.
+(it fuses experts on load) and SGLang's model loaders read. Gemma 4 and gpt-oss ship their
+experts fused, as their releases do.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -107,6 +109,7 @@ ARCHS = (
     "mixtral",
     "olmoe",
     "deepseek_v3",
+    "gemma4",
 )
 # Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
 # nvidia/Qwen3-30B-A3B-FP4's layouts).
@@ -535,6 +538,147 @@ def _gpt_oss_specs(cfg: dict, prefix: str) -> List[Tuple[str, _Spec]]:
     return specs
 
 
+# Gemma 4 MoE (google/gemma-4-26B-A4B's layout, transformers' ``Gemma4Config``): a vision-language
+# wrapper (``Gemma4ForConditionalGeneration``, the text model under ``model.language_model``)
+# whose decoder layers run a dense GELU MLP and a routed MoE of GELU experts side by side
+# (``enable_moe_block``: softmax router over a scaled RMS-normalized input with a per-expert
+# output scale; experts fused as ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj``
+# [E, H, I]), sliding-window layers with a last full-attention layer of wider heads
+# (``global_head_dim``), q/k/v RMSNorms with attention scaling 1, tied embeddings, final logit
+# softcapping, and a vision tower (one tiny layer: SGLang builds it even when serving text only).
+GEMMA4_EXPERTS = 32
+GEMMA4_TOP_K = 4
+GEMMA4_SLIDING_WINDOW = 16
+GEMMA4_GLOBAL_HEAD_DIM = 128
+GEMMA4_DENSE_INTERMEDIATE = 256
+GEMMA4_QK_NORM = 0.4  # q/k RMSNorm gain: with scaling 1, logits std ~0.16 sqrt(head_dim)
+# Gain of the norms after attention and the MLP / MoE: the layers' outputs then weigh on the
+# residual stream against the embedding (rms LOGIT_STD, scaled by sqrt(hidden) in the model),
+# which with tied embeddings would otherwise make the model repeat its input token.
+GEMMA4_POST_NORM = 4.0
+GEMMA4_LAYER_SCALAR = 0.5  # each layer's output scale (the residual stream too): same purpose
+
+
+def _gemma4_config() -> dict:
+    """config.json of the Gemma-4-MoE-style model (keys of transformers' ``Gemma4Config`` /
+    ``Gemma4TextConfig`` / ``Gemma4VisionConfig`` as the release writes them), tiny sizes."""
+    ids = tok_mod.added_token_ids()
+    v = tok_mod.VOCAB_SIZE
+    text = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_k_eq_v": False,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "enable_moe_block": True,
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": GEMMA4_GLOBAL_HEAD_DIM,
+        "head_dim": HEAD_DIM,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": HIDDEN,
+        "hidden_size_per_layer_input": 0,
+        "initializer_range": 0.02,
+        "intermediate_size": GEMMA4_DENSE_INTERMEDIATE,
+        "layer_types": ["sliding_attention"] * (NUM_LAYERS - 1) + ["full_attention"],
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "model_type": "gemma4_text",
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "num_attention_heads": NUM_HEADS,
+        "num_experts": GEMMA4_EXPERTS,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "num_kv_shared_layers": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "sliding_window": GEMMA4_SLIDING_WINDOW,
+        "tie_word_embeddings": True,
+        "top_k_experts": GEMMA4_TOP_K,
+        "use_cache": True,
+        "use_double_wide_mlp": False,
+        "vocab_size": v,
+        "vocab_size_per_layer_input": v,
+    }
+    vision = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "model_type": "gemma4_vision",
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": 2,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 256,
+        "rms_norm_eps": 1e-06,
+        "standardize": False,
+        "use_clipped_linears": False,
+    }
+    # the multimodal token ids at the top of the vocabulary (the release's are above 255,000)
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "audio_config": None,
+        "audio_token_id": v - 7,
+        "boa_token_id": v - 6,
+        "boi_token_id": v - 5,
+        "eoa_token_index": v - 4,
+        "eoi_token_id": v - 3,
+        "image_token_id": v - 2,
+        "video_token_id": v - 1,
+        "initializer_range": 0.02,
+        "text_config": text,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "vision_config": vision,
+    }
+
+
+def _gemma4_specs(cfg: dict) -> List[Tuple[str, _Spec]]:
+    """Gemma 4's tensors: names and shapes of transformers' ``Gemma4ForConditionalGeneration``
+    for ``cfg`` (built on the meta device: the checkpoint layout is transformers' own), without
+    the tied ``lm_head.weight``; kinds by role."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Gemma4ForConditionalGeneration(Gemma4Config(**cfg))
+    specs: List[Tuple[str, _Spec]] = []
+    for name, t in model.state_dict().items():
+        shape = tuple(t.shape)
+        if name == "lm_head.weight":  # tied to the embeddings
+            continue
+        if name.endswith("embed_tokens.weight"):  # also the lm_head: logits std ~LOGIT_STD
+            spec = _Spec(shape, "tied_embed", shape[1])
+        elif name.endswith("router.proj.weight"):  # its input is RMS-normalized to norm 1
+            spec = _Spec(shape, "router", 1)
+        elif name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            spec = _Spec(shape, "gemma_qk_norm")
+        elif re.search(r"\.post_(attention|feedforward)_layernorm(_[12])?\.weight$", name):
+            spec = _Spec(shape, "gemma_post_norm")
+        elif name.endswith(".layer_scalar"):
+            spec = _Spec(shape, "gemma_layer_scalar")
+        elif len(shape) == 1:  # RMSNorm weights, the router's scales, layer_scalar
+            spec = _Spec(shape, "norm1")
+        elif name.endswith("position_embedding_table"):
+            spec = _Spec(shape, "attn_bias")
+        else:  # projections; the fused experts [E, out, in] per expert
+            fan_in = shape[-1] if len(shape) == 3 else math.prod(shape[1:])
+            spec = _Spec(shape, "proj", fan_in)
+        specs.append((name, spec))
+    return specs
+
+
 def text_config(cfg: dict) -> dict:
     """The language model's part of ``cfg`` (``text_config`` of a vision-language wrapper)."""
     return cfg.get("text_config", cfg)
@@ -562,6 +706,8 @@ def model_config(arch: str, shape: Optional[str] = None) -> dict:
         return dict(sorted(_olmoe_config().items()))
     if arch == "deepseek_v3":
         return dict(sorted(_deepseek_v3_config().items()))
+    if arch == "gemma4":
+        return dict(sorted(_gemma4_config().items()))
     cfg = _common_config()
     if arch == "qwen3_next":
         cfg.update(
@@ -617,7 +763,9 @@ class _Spec:
     shape: Tuple[int, ...]
     # "proj", "embed", "lm_head", "router", "conv", "A_log", "dt_bias", "gate_scalar",
     # "norm1" (RMSNorm computing x * w), "norm0" (Qwen3-Next's x * (1 + w)), "qk_norm1/0",
-    # "attn_bias" (GLM's q/k/v biases), "score_bias" (GLM's e_score_correction_bias, float32)
+    # "attn_bias" (GLM's q/k/v biases), "score_bias" (GLM's e_score_correction_bias, float32),
+    # "tied_embed" (Gemma's embeddings, also its lm_head), "gemma_qk_norm" / "gemma_post_norm"
+    # (Gemma 4's q/k norms, its norms after attention and the MLP / MoE), "gemma_layer_scalar"
     kind: str
     fan_in: int = 1
 
@@ -643,6 +791,8 @@ def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
         return text + _vision_weight_specs(cfg["vision_config"])
     if arch == "gpt_oss":
         return _gpt_oss_specs(cfg, "model.")
+    if arch == "gemma4":
+        return _gemma4_specs(cfg)
     return _text_weight_specs(arch, cfg, "model.")
 
 
@@ -833,9 +983,15 @@ def _make_tensor(seed: int, name: str, spec: _Spec):
         t = normal(PROJ_GAIN / math.sqrt(spec.fan_in))
     elif k == "embed":
         t = normal(EMBED_STD)
+    elif k == "gemma_qk_norm":
+        t = GEMMA4_QK_NORM + normal(NORM_WEIGHT_STD)
+    elif k == "gemma_post_norm":
+        t = GEMMA4_POST_NORM * (1.0 + normal(NORM_WEIGHT_STD))
+    elif k == "gemma_layer_scalar":
+        t = GEMMA4_LAYER_SCALAR * (1.0 + normal(NORM_WEIGHT_STD))
     elif k == "router":
         t = normal(ROUTER_LOGIT_STD / math.sqrt(spec.fan_in))
-    elif k == "lm_head":
+    elif k in ("lm_head", "tied_embed"):  # tied_embed: Gemma's, input scaled by sqrt(hidden)
         t = torch.randn(shape, generator=g, dtype=torch.float32)
         row_scale = torch.exp(
             torch.randn((shape[0], 1), generator=g, dtype=torch.float32) * LM_HEAD_ROW_SCALE_SIGMA

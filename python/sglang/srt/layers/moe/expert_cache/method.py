@@ -434,18 +434,30 @@ def expert_activation(cfg) -> Tuple[str, Optional[float], Optional[float]]:
     the executor's ``swiglu_oai``: ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')``,
     ``g' = min(g, limit)``); ``silu`` with ``swiglu_limit`` the clamped SiLU of upstream's
     fused MoE (``swiglu_limit_func``; the executor's ``swiglu_limit``; ``moe_forward_native``
-    ignores it); plain gated ``silu`` the default.
+    ignores it); plain gated ``silu`` the default; gated ``gelu`` (Gemma 4's experts,
+    ``gelu_pytorch_tanh``) the executor's ``gelu_tanh``, as upstream's CPU and torch paths
+    compute it (``moe_forward_native`` -> ``GeluAndMul()``, whose default is ``tanh``).
 
     Raises:
         ValueError: an activation the executor does not compute (another activation, not
             gated, ``gemm1_beta``, an alpha without a clamp limit); says what to do.
     """
     what = "serve this model without --enable-expert-cache"
-    if cfg.activation != "silu" or not cfg.is_gated:
+    if cfg.activation not in ("silu", "gelu") or not cfg.is_gated:
         raise ValueError(
-            f"only gated SiLU experts are supported (got {cfg.activation}, gated="
-            f"{cfg.is_gated}; plain, gpt-oss's clamped SwiGLU or the clamped SiLU); {what}"
+            f"only gated SiLU and GELU experts are supported (got {cfg.activation}, gated="
+            f"{cfg.is_gated}; plain SiLU, gpt-oss's clamped SwiGLU, the clamped SiLU or the tanh "
+            f"GELU); {what}"
         )
+    if cfg.activation == "gelu":
+        extras = [
+            f
+            for f in ("gemm1_alpha", "gemm1_clamp_limit", "swiglu_limit", "gemm1_beta")
+            if getattr(cfg, f, None) is not None
+        ]
+        if extras:
+            raise ValueError(f"GELU experts with {', '.join(extras)} are not supported; {what}")
+        return "gelu_tanh", None, None
     alpha = getattr(cfg, "gemm1_alpha", None)
     clamp = getattr(cfg, "gemm1_clamp_limit", None)
     limit = getattr(cfg, "swiglu_limit", None)
