@@ -45,7 +45,7 @@ def make_routing(T=37, K=4, E=12, H=96, seed=1):
     return x, (w.float(), ids.int(), None)
 
 
-def reference(layer, x, topk):
+def reference(layer, x, topk, act=torch.nn.functional.silu):
     w, ids = topk[0].double(), topk[1].long()
     w13, w2 = layer.w13_weight.double(), layer.w2_weight.double()
     I = w2.shape[2]
@@ -59,7 +59,7 @@ def reference(layer, x, topk):
             b13 = getattr(layer, "w13_weight_bias", None)
             if b13 is not None:
                 gu = gu + b13[e].double()
-            h = (torch.nn.functional.silu(gu[:I]) * gu[I:]).bfloat16().double()
+            h = (act(gu[:I]) * gu[I:]).bfloat16().double()
             y = w2[e] @ h
             b2 = getattr(layer, "w2_weight_bias", None)
             if b2 is not None:
@@ -78,6 +78,21 @@ def test_matches_float64_reference_and_upstream_native():
     torch.testing.assert_close(got.double(), ref, atol=ATOL, rtol=RTOL)
     native = moe_forward_native(layer, x, topk, cfg)
     torch.testing.assert_close(native.double(), ref, atol=5e-2, rtol=5e-2)
+
+
+def test_gelu_layer_matches_float64_reference_and_upstream_native():
+    """Gated GELU experts (Gemma 4): the executor's ``gelu_tanh``, as upstream's loop runs
+    ``GeluAndMul()`` (tanh by default); the SiLU reference misses."""
+    layer = make_layer()
+    x, topk = make_routing()
+    cfg = MoeRunnerConfig(activation="gelu")
+    got = cpu_executor.cpu_executor_forward(layer, x, topk, cfg)
+    assert got is not None
+    ref = reference(layer, x, topk, act=lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+    torch.testing.assert_close(got.double(), ref, atol=ATOL, rtol=RTOL)
+    native = moe_forward_native(layer, x, topk, cfg)
+    torch.testing.assert_close(native.double(), ref, atol=5e-2, rtol=5e-2)
+    assert not torch.allclose(got.double(), reference(layer, x, topk), atol=ATOL, rtol=RTOL)
 
 
 def test_biased_layer_matches_float64_reference_and_upstream_native():
@@ -128,7 +143,7 @@ def test_out_of_range_expert_id_is_an_error():
     "change,reason",
     [
         (lambda l, c: (make_layer(dtype=torch.float32), c), "bf16 only"),
-        (lambda l, c: (l, MoeRunnerConfig(activation="gelu")), "gated SiLU only"),
+        (lambda l, c: (l, MoeRunnerConfig(activation="relu2")), "gated SiLU and GELU only"),
         (lambda l, c: (l, MoeRunnerConfig(apply_router_weight_on_input=True)), "router weight"),
         (lambda l, c: (l, MoeRunnerConfig(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)), "alpha"),
         (

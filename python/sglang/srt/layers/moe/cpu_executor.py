@@ -13,7 +13,8 @@ at load) and worker pool that the expert-slot cache uses for its CPU misses
 (``layers/moe/expert_cache/``).
 
 Numerics: per (token, expert) the gate and up projections accumulate in fp32 (plus the layer's
-``w13_weight_bias`` in fp32 when it has one), ``silu(g) * u`` is rounded to bf16 once, the down projection accumulates in fp32 (plus ``w2_weight_bias``) and the top-k sum is taken in k
+``w13_weight_bias`` in fp32 when it has one), ``silu(g) * u`` (``gelu_tanh(g) * u`` for gated
+GELU experts: Gemma 4) is rounded to bf16 once, the down projection accumulates in fp32 (plus ``w2_weight_bias``) and the top-k sum is taken in k
 order in fp32, then rounded to bf16 (``moe_forward_native`` rounds every intermediate to bf16).
 Like ``moe_forward_native``, the layer call leaves ``routed_scaling_factor`` to the model.
 
@@ -67,8 +68,10 @@ def _layer_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
 
 def _config_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
     """The runner-config and layer features the executor lacks (any weight format)."""
-    if moe_runner_config.activation != "silu" or not getattr(moe_runner_config, "is_gated", True):
-        return f"activation {moe_runner_config.activation} (gated SiLU only)"
+    if moe_runner_config.activation not in ("silu", "gelu") or not getattr(
+        moe_runner_config, "is_gated", True
+    ):
+        return f"activation {moe_runner_config.activation} (gated SiLU and GELU only)"
     if any(getattr(moe_runner_config, f, None) is not None for f in ("gemm1_beta", "swiglu_limit")):
         return "gemm1 beta / swiglu limit"
     if moe_runner_config.apply_router_weight_on_input:
@@ -80,6 +83,13 @@ def _config_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
     if getattr(getattr(layer, "quant_method", None), "w13_swiglu_interleaved", False):
         return "interleaved gate/up rows"
     return None
+
+
+def _activation(moe_runner_config) -> str:
+    """The executor's activation for a layer :func:`_config_reason` accepts: ``silu``, or
+    ``gelu_tanh`` for gated ``gelu`` (Gemma 4's experts; upstream's ``moe_forward_native`` runs
+    ``GeluAndMul()``, whose default is the tanh approximation)."""
+    return "gelu_tanh" if moe_runner_config.activation == "gelu" else "silu"
 
 
 def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_config) -> Optional[str]:
@@ -130,7 +140,8 @@ def cpu_executor_forward(
         return None
     topk_weights, topk_ids = topk_output[0], topk_output[1]
     banks = _bias_banks(layer, {"w13": layer.w13_weight, "w2": layer.w2_weight})
-    if len(banks) == 2:
+    activation = _activation(moe_runner_config)
+    if len(banks) == 2 and activation == "silu":
         out = torch.empty(x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32)
         _executor_op()(
             x.contiguous(),
@@ -142,7 +153,7 @@ def cpu_executor_forward(
             False,
         )
         return out.to(x.dtype)
-    return _quant_forward("bf16", banks, x, topk_output)
+    return _quant_forward("bf16", banks, x, topk_output, activation)
 
 
 def _bias_banks(layer: torch.nn.Module, banks: dict) -> dict:
@@ -186,7 +197,9 @@ def fp8_cpu_executor_forward(
         "w13_scale": layer.w13_weight_scale_inv,
         "w2_scale": layer.w2_weight_scale_inv,
     }
-    return _quant_forward("block-FP8", _bias_banks(layer, banks), x, topk_output)
+    return _quant_forward(
+        "block-FP8", _bias_banks(layer, banks), x, topk_output, _activation(moe_runner_config)
+    )
 
 
 def nvfp4_cpu_executor_forward(
@@ -219,11 +232,16 @@ def nvfp4_cpu_executor_forward(
         "w13_scale_2": layer.w13_weight_scale_2,
         "w2_scale_2": layer.w2_weight_scale_2,
     }
-    return _quant_forward("NVFP4", _bias_banks(layer, banks), x, topk_output)
+    return _quant_forward(
+        "NVFP4", _bias_banks(layer, banks), x, topk_output, _activation(moe_runner_config)
+    )
 
 
-def _quant_forward(label: str, banks: dict, x: torch.Tensor, topk_output) -> torch.Tensor:
-    """One ``moe_experts_cpu`` call over a resident layer's quantized ``banks``."""
+def _quant_forward(
+    label: str, banks: dict, x: torch.Tensor, topk_output, activation: str = "silu"
+) -> torch.Tensor:
+    """One ``moe_experts_cpu`` call over a resident layer's ``banks`` (quantized, or with
+    biases, or with ``activation`` other than ``silu``)."""
     from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
 
     if x.dtype != torch.bfloat16:
@@ -235,6 +253,7 @@ def _quant_forward(label: str, banks: dict, x: torch.Tensor, topk_output) -> tor
         [topk_output[1].to(torch.int32).contiguous()],
         [banks],
         out,
+        activation,
     )
     return out.to(x.dtype)
 
