@@ -95,6 +95,26 @@ def test_gelu_layer_matches_float64_reference_and_upstream_native():
     assert not torch.allclose(got.double(), reference(layer, x, topk), atol=ATOL, rtol=RTOL)
 
 
+def test_top1_router_weight_on_the_input(monkeypatch):
+    """Llama 4 (top-1, ``apply_router_weight_on_input``): the expert runs on ``w * x`` (bf16, as
+    upstream's ``apply_topk_weights_cpu``) with weight 1; weighting the output instead (the
+    ordinary path) misses, since the expert is not linear."""
+    layer = make_layer()  # no top_k attribute, as Llama 4's FusedMoE (built without one)
+    x, (w, ids, _) = make_routing(K=1)
+    w = torch.sigmoid(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 2)
+    cfg = MoeRunnerConfig(apply_router_weight_on_input=True)
+    got = cpu_executor.cpu_executor_forward(layer, x, (w, ids, None), cfg)
+    assert got is not None
+    xw = x * w.to(x.dtype)
+    ref = reference(layer, xw, (torch.ones_like(w), ids, None))
+    torch.testing.assert_close(got.double(), ref, atol=ATOL, rtol=RTOL)
+    on_output = reference(layer, x, (w, ids, None))
+    assert not torch.allclose(got.double(), on_output, atol=ATOL, rtol=RTOL)
+    x4, topk4 = make_routing(K=4)
+    with pytest.raises(RuntimeError, match="top-1 routing only"):
+        cpu_executor.cpu_executor_forward(layer, x4, topk4, cfg)
+
+
 def test_biased_layer_matches_float64_reference_and_upstream_native():
     """Expert biases (``w13_weight_bias`` [E, 2I], ``w2_weight_bias`` [E, H], float32 as
     upstream's loop adds them) reach the executor's bias banks; a plain-SiLU layer with biases
@@ -144,7 +164,6 @@ def test_out_of_range_expert_id_is_an_error():
     [
         (lambda l, c: (make_layer(dtype=torch.float32), c), "bf16 only"),
         (lambda l, c: (l, MoeRunnerConfig(activation="relu2")), "gated SiLU and GELU only"),
-        (lambda l, c: (l, MoeRunnerConfig(apply_router_weight_on_input=True)), "router weight"),
         (lambda l, c: (l, MoeRunnerConfig(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)), "alpha"),
         (
             lambda l, c: (

@@ -5,6 +5,7 @@ upstream's layer reads is replaced by plain namespaces)."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import sglang.srt.runtime_context as runtime_context
 from sglang.srt.layers.moe.expert_cache.method import (
@@ -141,7 +142,7 @@ def test_every_problem_is_listed_with_what_to_change(monkeypatch):
         "--enable-paged-experts and --enable-expert-cache exclude each other",
         "experts are not supported yet: serve the bf16 checkpoint",
         "only gated SiLU and GELU experts are supported (got relu2",
-        "router weights applied on the input are not supported",
+        "router weights applied on the input are supported with top-1 routing only",
         "drop --enforce-shared-experts-fusion",
         "--expert-cache-max-fills must be >= 1",
     ):
@@ -216,3 +217,30 @@ def test_expert_cache_turns_shared_expert_fusion_off(monkeypatch, cache, enforce
     else:
         assert not got.fusion_disabled and got.num_fused_shared_experts == 1
         assert logged == []
+
+
+def test_top1_router_weight_on_the_input_is_applied_before_the_cache(monkeypatch):
+    """Llama 4 (top-1, ``apply_router_weight_on_input``): the cache method is built, and its
+    ``apply`` hands the cache ``w * x`` with weight 1 (upstream's ``apply_topk_weights_cpu``);
+    top-k above 1 stays refused."""
+    _context(monkeypatch)
+    layer = _layer(apply_router_weight_on_input=True, top_k=1)
+    layer.top_k = 1
+    method = make_for_layer(layer, _unquant())
+    seen = {}
+
+    class FakeCache:
+        def forward(self, layer_id, x, weights, ids, cfg, scale=None):
+            seen.update(x=x, weights=weights)
+            return x
+
+    method.cache = FakeCache()
+    method.moe_runner_config = layer.moe_runner_config  # as create_moe_runner sets it
+    x = torch.randn(5, 16).bfloat16()
+    w = torch.rand(5, 1)
+    topk = (w, torch.zeros(5, 1, dtype=torch.int32), None)
+    method.apply(layer, SimpleNamespace(hidden_states=x, topk_output=topk))
+    assert torch.equal(seen["x"], x * w.to(x.dtype))
+    assert torch.equal(seen["weights"], torch.ones(5, 1))
+    with pytest.raises(RuntimeError, match="top-1 routing only .* got top-k 8"):
+        make_for_layer(_layer(apply_router_weight_on_input=True), _unquant())

@@ -24,10 +24,13 @@ Like ``moe_forward_native``, the layer call leaves ``routed_scaling_factor`` to 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ENV_BACKEND = "SGLANG_CPU_MOE_BACKEND"
 
@@ -74,8 +77,6 @@ def _config_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
         return f"activation {moe_runner_config.activation} (gated SiLU and GELU only)"
     if any(getattr(moe_runner_config, f, None) is not None for f in ("gemm1_beta", "swiglu_limit")):
         return "gemm1 beta / swiglu limit"
-    if moe_runner_config.apply_router_weight_on_input:
-        return "router weight applied on the input"
     if moe_runner_config.gemm1_alpha is not None or moe_runner_config.gemm1_clamp_limit is not None:
         # upstream's loop runs gpt-oss's clamped SwiGLU on interleaved gate/up rows
         # (swiglu_gpt_oss_sigmoid_alpha); only the expert cache's pool de-interleaves them
@@ -108,12 +109,32 @@ def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_confi
         A short reason (e.g. ``"weights are torch.float32 (bf16 only)"``) or None.
     """
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return f"activations {x.dtype} on {x.device.type} (bf16 on the CPU only)"
+        reason = f"activations {x.dtype} on {x.device.type} (bf16 on the CPU only)"
+        if not _fallback_logged:
+            _log_fallback(layer, reason)
+        return reason
     reason = getattr(layer, _REASON_ATTR, _UNSET)
     if reason is _UNSET:
         reason = _layer_reason(layer, moe_runner_config)
         setattr(layer, _REASON_ATTR, reason)
+        if reason is not None and not _fallback_logged:
+            _log_fallback(layer, reason)
     return reason
+
+
+_fallback_logged = False
+
+
+def _log_fallback(layer: torch.nn.Module, reason: str) -> None:
+    """Say once per process that a layer runs upstream's torch MoE loop, and why."""
+    global _fallback_logged
+    _fallback_logged = True
+    logger.info(
+        "CPU MoE: layer %s runs upstream's torch loop (moe_forward_native), not the CPU "
+        "executor: %s",
+        getattr(layer, "layer_id", "?"),
+        reason,
+    )
 
 
 def cpu_executor_forward(
@@ -134,11 +155,15 @@ def cpu_executor_forward(
         when :func:`unsupported_reason` names a reason (the caller keeps upstream's path).
 
     Raises:
-        RuntimeError: from the op, for an expert id outside ``[0, E)``.
+        RuntimeError: from the op, for an expert id outside ``[0, E)``; router weights applied
+            on the input with top-k other than 1.
     """
     if unsupported_reason(layer, x, moe_runner_config) is not None:
         return None
     topk_weights, topk_ids = topk_output[0], topk_output[1]
+    if moe_runner_config.apply_router_weight_on_input:  # top-1 (Llama 4): expert(w * x), weight 1
+        x, topk_weights = _weight_on_input(x, topk_weights)
+        topk_output = (topk_weights, topk_ids)
     banks = _bias_banks(layer, {"w13": layer.w13_weight, "w2": layer.w2_weight})
     activation = _activation(moe_runner_config)
     if len(banks) == 2 and activation == "silu":
@@ -154,6 +179,24 @@ def cpu_executor_forward(
         )
         return out.to(x.dtype)
     return _quant_forward("bf16", banks, x, topk_output, activation)
+
+
+def _weight_on_input(x: torch.Tensor, topk_weights: torch.Tensor):
+    """``(x * w, ones)`` for a top-1 layer that applies its router weight on the input: upstream's
+    ``topk.apply_topk_weights_cpu``, as its AMX path runs it (x [T, H] bf16, w [T, 1]).
+
+    Raises:
+        RuntimeError: top-k other than 1 (the layer's experts would each need their own input;
+            upstream's CPU loop refuses these layers too).
+    """
+    from sglang.srt.layers.moe.topk import apply_topk_weights_cpu
+
+    if topk_weights.dim() != 2 or topk_weights.shape[1] != 1:
+        raise RuntimeError(
+            "an MoE layer that applies its router weight on the input runs with top-1 routing "
+            f"only (Llama 4's), got top-k weights of shape {tuple(topk_weights.shape)}"
+        )
+    return apply_topk_weights_cpu(True, topk_weights, x)
 
 
 def _bias_banks(layer: torch.nn.Module, banks: dict) -> dict:
@@ -197,6 +240,9 @@ def fp8_cpu_executor_forward(
         "w13_scale": layer.w13_weight_scale_inv,
         "w2_scale": layer.w2_weight_scale_inv,
     }
+    if moe_runner_config.apply_router_weight_on_input:  # top-1: expert(w * x), weight 1
+        x, weights = _weight_on_input(x, topk_output[0])
+        topk_output = (weights, topk_output[1])
     return _quant_forward(
         "block-FP8", _bias_banks(layer, banks), x, topk_output, _activation(moe_runner_config)
     )
@@ -232,6 +278,9 @@ def nvfp4_cpu_executor_forward(
         "w13_scale_2": layer.w13_weight_scale_2,
         "w2_scale_2": layer.w2_weight_scale_2,
     }
+    if moe_runner_config.apply_router_weight_on_input:  # top-1: expert(w * x), weight 1
+        x, weights = _weight_on_input(x, topk_output[0])
+        topk_output = (weights, topk_output[1])
     return _quant_forward(
         "NVFP4", _bias_banks(layer, banks), x, topk_output, _activation(moe_runner_config)
     )

@@ -208,11 +208,17 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        from sglang.srt.layers.moe.topk import apply_topk_weights_cpu
 
         topk_weights, topk_ids, _ = dispatch_output.topk_output
+        x = dispatch_output.hidden_states
+        if self.moe_runner_config.apply_router_weight_on_input:  # Llama 4, top-1 (make_for_layer)
+            # the expert runs on w * x with weight 1, as upstream's CPU and XPU paths do
+            # (topk.apply_topk_weights_cpu); elementwise, so no host sync on CUDA
+            x, topk_weights = apply_topk_weights_cpu(True, topk_weights, x)
         out = self.cache.forward(
             self.layer_id,
-            dispatch_output.hidden_states,
+            x,
             topk_weights,
             topk_ids,
             self.moe_runner_config,
@@ -396,10 +402,13 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     # Upstream's MXFP4 layers read w13 with gate / up interleaved unless the config says
     # otherwise (``gate_up_interleaved``, default True: gpt-oss); other methods in halves.
     interleaved = label == "mxfp4" and bool(getattr(cfg, "gate_up_interleaved", True))
-    if cfg.apply_router_weight_on_input:
+    top_k = layer.top_k if getattr(layer, "top_k", None) is not None else None
+    if top_k is None:  # FusedMoE built without it (Llama 4): the model's
+        top_k = process_model_config().hf_text_config.num_experts_per_tok
+    if cfg.apply_router_weight_on_input and top_k != 1:
         problems.append(
-            "router weights applied on the input are not supported; serve this model without "
-            "--enable-expert-cache"
+            "router weights applied on the input are supported with top-1 routing only (Llama "
+            f"4's; got top-k {top_k}); serve this model without --enable-expert-cache"
         )
     if getattr(layer, "num_fused_shared_experts", 0):
         problems.append(
@@ -414,7 +423,6 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     if problems:
         raise RuntimeError("--enable-expert-cache: " + "; ".join(problems))
     text_config = process_model_config().hf_text_config
-    top_k = layer.top_k if layer.top_k is not None else text_config.num_experts_per_tok
     return ExpertCacheMoEMethod(
         base_method=base_method,
         config=config,
