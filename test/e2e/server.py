@@ -33,6 +33,7 @@ DEFAULT_MODELS = {
     "deepseek_v3": "deepseek-v3-tiny",
     "gpt_oss": "gpt-oss-tiny",
     "gemma4": "gemma4-moe-tiny",
+    "llama4": "llama4-moe-tiny",
 }
 # Quantized tiny models: (architecture, --quant) of the builder.
 QUANTIZED = {

@@ -1,7 +1,7 @@
-"""The Mixtral-, OLMoE-, DeepSeek-V3- and Gemma-4-style tiny models (``--arch mixtral`` /
-``olmoe`` / ``deepseek_v3`` / ``gemma4``): config, tensor names, and transformers loading them
+"""The Mixtral-, OLMoE-, DeepSeek-V3-, Gemma-4- and Llama-4-style tiny models (``--arch
+mixtral`` / ``olmoe`` / ``deepseek_v3`` / ``gemma4`` / ``llama4``): config, tensor names, and transformers loading them
 with nothing missing or unexpected and routing as configured. The serving path is
-``test/e2e/test_expert_cache_{mixtral_olmoe,deepseek,gemma4}.py``.
+``test/e2e/test_expert_cache_{mixtral_olmoe,deepseek,gemma4,llama4}.py``.
 """
 
 import json
@@ -12,7 +12,7 @@ import torch
 LAYERS, HIDDEN = 4, 256
 
 
-@pytest.fixture(scope="module", params=["mixtral", "olmoe", "deepseek_v3", "gemma4"])
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "deepseek_v3", "gemma4", "llama4"])
 def built(request, tm, tmp_path_factory):
     arch = request.param
     return arch, tm.build(arch, tmp_path_factory.mktemp("m") / arch)
@@ -47,6 +47,20 @@ def test_config_and_tensor_names_follow_the_release(built):
         ):
             assert p + w in names, w
         assert any(n.startswith("model.vision_tower.") for n in names)
+        assert set(names.values()) == {"BF16"}
+        return
+    if arch == "llama4":  # meta-llama/Llama-4-Scout's layout: top-1, fused input-major experts
+        assert raw["architectures"] == ["Llama4ForConditionalGeneration"]
+        t = raw["text_config"]
+        assert (t["num_local_experts"], t["num_experts_per_tok"]) == (16, 1)
+        p = "language_model.model.layers.0.feed_forward."
+        assert names.keys() >= {
+            p + "experts.gate_up_proj",
+            p + "experts.down_proj",
+            p + "router.weight",
+            p + "shared_expert.down_proj.weight",
+        }
+        assert any(n.startswith("vision_model.") for n in names)
         assert set(names.values()) == {"BF16"}
         return
     if arch == "deepseek_v3":
@@ -100,11 +114,26 @@ def test_transformers_loads_every_tensor_and_routes_as_configured(built):
         "olmoe": "OlmoeForCausalLM",
         "deepseek_v3": "DeepseekV3ForCausalLM",
         "gemma4": "Gemma4ForConditionalGeneration",
+        "llama4": "Llama4ForCausalLM",  # transformers' text-only class (the vision keys unused)
     }
     assert type(model).__name__ == want[arch]
-    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
-        info
-    )
+    unused = {
+        k
+        for k in info.get("unexpected_keys", ())
+        if not (arch == "llama4" and k.startswith(("vision_model.", "multi_modal_projector.")))
+    }
+    assert not (info.get("missing_keys") or info.get("mismatched_keys") or unused), info
+    if arch == "llama4":  # top-1 of 16 over real hidden states spreads over the experts
+        tm = model.model
+        assert len(tm.layers) == LAYERS
+        ids = torch.arange(1, 65).reshape(1, 64)
+        with torch.no_grad():
+            h = tm.embed_tokens(ids).reshape(64, -1)
+            _, logits = tm.layers[0].feed_forward.router(h)  # (scores, logits)
+            out = model(ids)
+        assert logits.shape[-1] == 16 and logits.argmax(-1).unique().numel() > 16 // 2
+        assert torch.isfinite(out.logits).all()
+        return
     if arch == "gemma4":  # the router's top-k over real hidden states spreads over the experts
         lm = model.model.language_model
         assert len(lm.layers) == LAYERS

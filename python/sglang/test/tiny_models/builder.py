@@ -110,6 +110,7 @@ ARCHS = (
     "olmoe",
     "deepseek_v3",
     "gemma4",
+    "llama4",
 )
 # Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
 # nvidia/Qwen3-30B-A3B-FP4's layouts).
@@ -644,18 +645,23 @@ def _gemma4_config() -> dict:
     }
 
 
-def _gemma4_specs(cfg: dict) -> List[Tuple[str, _Spec]]:
-    """Gemma 4's tensors: names and shapes of transformers' ``Gemma4ForConditionalGeneration``
-    for ``cfg`` (built on the meta device: the checkpoint layout is transformers' own), without
-    the tied ``lm_head.weight``; kinds by role."""
+def _transformers_shapes(config_cls: str, model_cls: str, cfg: dict):
+    """``(name, shape)`` of every tensor transformers' ``model_cls`` saves for ``cfg`` (the model
+    built on the meta device: the checkpoint layout is transformers' own)."""
     import torch
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    import transformers
 
     with torch.device("meta"):
-        model = Gemma4ForConditionalGeneration(Gemma4Config(**cfg))
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg))
+    return [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+
+
+def _gemma4_specs(cfg: dict) -> List[Tuple[str, _Spec]]:
+    """Gemma 4's tensors: names and shapes of transformers' ``Gemma4ForConditionalGeneration``
+    for ``cfg``, without the tied ``lm_head.weight``; kinds by role."""
     specs: List[Tuple[str, _Spec]] = []
-    for name, t in model.state_dict().items():
-        shape = tuple(t.shape)
+    shapes = _transformers_shapes("Gemma4Config", "Gemma4ForConditionalGeneration", cfg)
+    for name, shape in shapes:
         if name == "lm_head.weight":  # tied to the embeddings
             continue
         if name.endswith("embed_tokens.weight"):  # also the lm_head: logits std ~LOGIT_STD
@@ -675,6 +681,115 @@ def _gemma4_specs(cfg: dict) -> List[Tuple[str, _Spec]]:
         else:  # projections; the fused experts [E, out, in] per expert
             fan_in = shape[-1] if len(shape) == 3 else math.prod(shape[1:])
             spec = _Spec(shape, "proj", fan_in)
+        specs.append((name, spec))
+    return specs
+
+
+# Llama 4 (meta-llama/Llama-4-Scout-17B-16E's layout, transformers' ``Llama4Config``): a
+# vision-language wrapper (``Llama4ForConditionalGeneration``, the text model under
+# ``language_model.model``) whose MoE layers route each token to ONE of 16 experts with a sigmoid
+# router weight applied to the expert's input (``apply_router_weight_on_input``), beside a shared
+# expert; experts fused as ``feed_forward.experts.gate_up_proj`` [E, H, 2I] / ``down_proj``
+# [E, I, H] (input-major, unlike Gemma 4's); every fourth layer without RoPE (NoPE, with
+# attention temperature tuning), L2 q/k norms on the RoPE layers, chunked local attention
+# (``attention_chunk_size``: the release's 8192, longer than the tests' prompts: the
+# ``torch_native`` backend does not mask it), and a vision tower (one tiny layer).
+LLAMA4_EXPERTS = 16
+
+
+def _llama4_config() -> dict:
+    """config.json of the Llama-4-Scout-style model (keys of transformers' ``Llama4Config`` /
+    ``Llama4TextConfig`` / ``Llama4VisionConfig``), tiny sizes."""
+    ids = tok_mod.added_token_ids()
+    v = tok_mod.VOCAB_SIZE
+    text = {
+        "attention_bias": False,
+        "attention_chunk_size": 8192,
+        "attention_dropout": 0.0,
+        "attn_scale": 0.1,
+        "attn_temperature_tuning": True,
+        "bos_token_id": ids[tok_mod.ENDOFTEXT],
+        "eos_token_id": ids[tok_mod.IM_END],
+        "pad_token_id": ids[tok_mod.ENDOFTEXT],
+        "floor_scale": 8192,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "interleave_moe_layer_step": 1,
+        "intermediate_size": MOE_INTERMEDIATE,  # each expert's and the shared expert's
+        "intermediate_size_mlp": 512,  # dense layers' (none here: every layer is MoE)
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "model_type": "llama4_text",
+        "no_rope_layers": [1, 1, 1, 0],  # 1 = RoPE; the release: every fourth layer NoPE
+        "num_attention_heads": NUM_HEADS,
+        "num_experts_per_tok": 1,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "num_local_experts": LLAMA4_EXPERTS,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0,
+        "tie_word_embeddings": False,
+        "use_qk_norm": True,
+        "vocab_size": v,
+    }
+    vision = {
+        "attention_dropout": 0.0,
+        "hidden_act": "gelu",
+        "hidden_size": 64,
+        "image_size": 56,
+        "intermediate_size": 128,
+        "model_type": "llama4_vision_model",
+        "multi_modal_projector_bias": False,
+        "norm_eps": 1e-05,
+        "num_attention_heads": 2,
+        "num_channels": 3,
+        "num_hidden_layers": 1,
+        "patch_size": 14,
+        "pixel_shuffle_ratio": 0.5,
+        "projector_dropout": 0.0,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "vision_feature_select_strategy": "default",
+        "vision_output_dim": 64,
+    }
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "boi_token_index": v - 3,
+        "eoi_token_index": v - 2,
+        "image_token_index": v - 1,
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vision_config": vision,
+    }
+
+
+def _llama4_specs(cfg: dict) -> List[Tuple[str, _Spec]]:
+    """Llama 4's tensors: names and shapes of transformers' ``Llama4ForConditionalGeneration``
+    for ``cfg``; kinds by role (the fused experts are input-major: fan-in ``shape[1]``)."""
+    specs: List[Tuple[str, _Spec]] = []
+    shapes = _transformers_shapes("Llama4Config", "Llama4ForConditionalGeneration", cfg)
+    for name, shape in shapes:
+        if name.endswith("embed_tokens.weight"):
+            spec = _Spec(shape, "embed")
+        elif name == "language_model.lm_head.weight":
+            spec = _Spec(shape, "lm_head", shape[1])
+        elif name.endswith("feed_forward.router.weight"):
+            spec = _Spec(shape, "router", shape[1])
+        elif ".experts." in name:  # [E, in, out]
+            spec = _Spec(shape, "proj", shape[1])
+        elif len(shape) == 1:
+            kind = "attn_bias" if name.endswith(".bias") else "norm1"
+            spec = _Spec(shape, kind)
+        elif "embedding" in name:  # the vision tower's class / positional embeddings
+            spec = _Spec(shape, "attn_bias")
+        else:
+            spec = _Spec(shape, "proj", math.prod(shape[1:]))
         specs.append((name, spec))
     return specs
 
@@ -708,6 +823,8 @@ def model_config(arch: str, shape: Optional[str] = None) -> dict:
         return dict(sorted(_deepseek_v3_config().items()))
     if arch == "gemma4":
         return dict(sorted(_gemma4_config().items()))
+    if arch == "llama4":
+        return dict(sorted(_llama4_config().items()))
     cfg = _common_config()
     if arch == "qwen3_next":
         cfg.update(
@@ -793,6 +910,8 @@ def _weight_specs(arch: str, cfg: dict) -> List[Tuple[str, _Spec]]:
         return _gpt_oss_specs(cfg, "model.")
     if arch == "gemma4":
         return _gemma4_specs(cfg)
+    if arch == "llama4":
+        return _llama4_specs(cfg)
     return _text_weight_specs(arch, cfg, "model.")
 
 
