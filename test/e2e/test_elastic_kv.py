@@ -65,6 +65,15 @@ def test_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
         {"kv_tokens": full, "expert_cache_size": "8"},
     ]
     prompts = random_prompts(lengths=(5, 12, 31, 64, 97, 140, 200, 300), seed=11)[:STREAMS]
+    # Cached prefixes on the low pages first (5 x 1000 tokens, evictable once done), so the
+    # streams' pages lie above the first shrink's boundary: it must evict them and move pages.
+    for ids in random_prompts(lengths=(1000,) * 5, seed=12):
+        r = requests.post(
+            srv.url + "/generate",
+            json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
     want = _concurrent_streams(srv.url, prompts)
     done = []
 
@@ -74,7 +83,9 @@ def test_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
             assert r.status_code == 200, (body, r.text)
             got = r.json()
             in_flight = sum(not f.done() for f in futures)
-            done.append((body, got["kv"]["kv_tokens"], got["time_ms"], in_flight))
+            step = got.get("kv_resize") or {}
+            moved, evicted = step.get("moved_pages", 0), step.get("evicted_tokens", 0)
+            done.append((body, got["kv"]["kv_tokens"], got["time_ms"], in_flight, moved, evicted))
 
     try:
         got = _concurrent_streams(srv.url, prompts, run_storm)
@@ -83,6 +94,7 @@ def test_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
         assert [d[1] for d in done][:3] == [4096, full, 3072], done
         assert done[4][1] == 2560 and done[-1][1] == full, done
         assert sum(d[3] > 0 for d in done) >= len(storm) // 2, done  # while streams ran
+        assert done[0][4] > 0 and done[0][5] > 0, done  # live pages moved, cached ones evicted
         kv = _split(srv.url)["kv"]
         assert kv["kv_tokens"] == full and kv["kv_resizes"] >= len(storm) - 1
         assert kv["kv_resize_failures"] == 0

@@ -228,8 +228,9 @@ class ElasticKV:
 
     # ---- backing --------------------------------------------------------------------------
 
-    def _adopt(self) -> None:
-        """Move the pool's buffers into reserved mappings (once, at the first resize)."""
+    def reserve(self) -> None:
+        """Move the pool's buffers into mappings reserved for :attr:`max_tokens` (once; the
+        first resize does it if nobody did: that call then also copies the whole pool)."""
         if self.backing is not None:
             return
         kv = self.kvcache
@@ -300,7 +301,7 @@ class ElasticKV:
             out["time_ms"] = (time.perf_counter() - t0) * 1e3
             return out
         try:
-            self._adopt()
+            self.reserve()
             if plan.new_size > plan.old_size:
                 out["committed_bytes"] = self._grow(plan.new_size, step)
             else:

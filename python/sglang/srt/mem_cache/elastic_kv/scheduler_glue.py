@@ -71,7 +71,12 @@ def reserve_tokens(scheduler) -> int:
 
 def publish_size(scheduler, tokens: int) -> None:
     """Tell the scheduler and its components the pool's new size (tokens): the idle invariant
-    check, the pool statistics and the load reports read their own copies."""
+    check, the pool statistics and the load reports read their own copies.
+
+    Upstream's components take the size as a constructor constant, some of them frozen
+    dataclasses (``SchedulerPoolStatsObserver``, ``SchedulerLoadInquirer``); a resize changes
+    it, so it is written with ``object.__setattr__`` (the documented way around ``frozen``),
+    at the safe point, where none of them runs. Never raises (the pool has already resized)."""
     scheduler.max_total_num_tokens = tokens
     widen = int(getattr(scheduler, "kv_shard_widening", 1) or 1)
     for name, value in (
@@ -82,7 +87,10 @@ def publish_size(scheduler, tokens: int) -> None:
     ):
         comp = getattr(scheduler, name, None)
         if comp is not None and hasattr(comp, "max_total_num_tokens"):
-            comp.max_total_num_tokens = value
+            try:
+                object.__setattr__(comp, "max_total_num_tokens", value)
+            except (AttributeError, TypeError) as e:
+                logger.error("elastic KV: %s keeps the old pool size (%s)", name, e)
 
 
 def check_accounting(scheduler, el: ElasticKV) -> List[str]:
