@@ -97,6 +97,9 @@ class ElasticKV:
 
     def __init__(self, kvcache, allocator, req_to_token_pool, tree_cache=None, max_tokens=None):
         why = _supported(kvcache)
+        core = getattr(tree_cache, "tree_core", None)
+        if why is None and core is not None and getattr(core, "enable_hicache", False):
+            why = "a hierarchical cache (host copies of the tree's pages are not remapped)"
         if why is not None:
             raise KVResizeRefused(f"KV pages cannot resize on {why}")
         self.kvcache = kvcache
