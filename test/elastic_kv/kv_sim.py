@@ -40,6 +40,15 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 LAYERS, HEADS, DIM = 2, 1, 4
 
 
+PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
+
+
+def random_prompt(rng) -> list:
+    """A prompt that shares a prefix of one of :data:`PREFIXES` (possibly empty) with others."""
+    base = list(rng.choice(PREFIXES))[: rng.randint(0, 8)]
+    return base + [rng.randint(20, 60) for _ in range(rng.randint(1, 10))]
+
+
 def stamp(tokens) -> float:
     """The KV value of the last position of ``tokens`` (exact in float32: < 2**20)."""
     return float(zlib.crc32(array("q", tokens).tobytes()) % (1 << 20))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from kv_sim import KVSim
-from test_resize import _prompt
+from kv_sim import random_prompt as _prompt
 
 from sglang.srt.managers.memory_budget import BudgetRefused, Side, split_budget
 
@@ -103,3 +103,62 @@ def test_split_budget_proportion_floors_and_ceilings():
         split_budget(164101, kv, slots)
     paged = Side(unit_bytes=10, fixed_bytes=40, floor=8, ceiling=400, current=100, step=4)
     assert split_budget(40 + 10 * 103, paged, None) == (100, 0)  # whole pages only
+
+
+@pytest.fixture
+def handled_with_cache(handled, monkeypatch):
+    """``handled`` with an expert-slot cache at 50% (``test/expert_cache``'s tiny one)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "expert_cache"))
+    from test_slot_cache import E, L, make_cache
+
+    from sglang.srt.layers.moe.expert_cache import method
+
+    cache = make_cache("50%", "fill")
+    monkeypatch.setattr(method, "_CACHE", cache)
+    handled.cache, handled.pool = cache, L * E
+    return handled
+
+
+def test_budget_splits_kv_and_slots(handled_with_cache):
+    h, sim, cache = handled_with_cache, handled_with_cache.sim, handled_with_cache.cache
+    split = h().split
+    kv_b, slot_b = split["kv"]["kv_bytes"], split["expert_cache"]["slot_bytes"]
+    eb, tb = cache.host.expert_bytes, split["kv"]["kv_token_bytes"]
+    got = h(device_memory_budget=kv_b + slot_b - 8 * eb)  # 8 slots' worth less, same proportion
+    assert got.status_code == 200, got.message
+    kv, slots = got.split["kv"], got.split["expert_cache"]
+    assert kv["kv_bytes"] + slots["slot_bytes"] <= kv_b + slot_b - 8 * eb
+    # the KV side's share is ~1.4% (the tiny cache's experts are big next to its KV): the slots
+    # get their proportional whole slots, KV its share plus the part of a slot left over
+    budget = kv_b + slot_b - 8 * eb
+    assert slots["slots"] == int(budget * (1 - kv_b / (kv_b + slot_b)) - tb) // eb
+    assert kv["kv_tokens"] == min(128, (budget - slots["slot_bytes"]) // tb - 1)
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    got = h(device_memory_budget=h.pool * eb + 100 * tb, kv_share=0.001)  # slots at the ceiling
+    assert got.status_code == 200 and got.split["expert_cache"]["slots"] == h.pool
+    assert got.split["kv"]["kv_tokens"] == 99  # KV the rest (its floor is below that)
+
+
+def test_second_part_fails_first_undone(handled_with_cache, monkeypatch):
+    """A KV shrink then a slot grow that fails: the KV shrink is undone, the answer a 500."""
+    h, sim, cache = handled_with_cache, handled_with_cache.sim, handled_with_cache.cache
+    slots_before = cache.num_slots
+
+    def broken(n, on_step=None):
+        raise MemoryError("injected: no memory for the slots")
+
+    monkeypatch.setattr(cache, "resize_slots", broken)
+    floor = h().split["kv"]["kv_floor_tokens"]
+    got = h(kv_tokens=floor, expert_cache_size="100%")
+    assert got.status_code == 500 and "undone: kv back at 96" in got.message, got.message
+    assert (
+        sim.elastic.size == 96 == h.sched.max_total_num_tokens and cache.num_slots == slots_before
+    )
+    assert got.split["kv"]["kv_resizes"] == 2  # the shrink and its undo
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    for _ in range(10):  # and the pools serve on
+        sim.admit(_prompt(random.Random(_)))
+    assert sim.accounting() == [] and sim.kv_problems() == []

@@ -19,16 +19,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_sim import KVSim
+from kv_sim import random_prompt as _prompt
 
 from sglang.srt.mem_cache.elastic_kv.backing import HostKVBacking
 from sglang.srt.mem_cache.elastic_kv.resize import KVResizeFailed, KVResizeRefused
-
-PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
-
-
-def _prompt(rng: random.Random) -> list:
-    base = list(rng.choice(PREFIXES))[: rng.randint(0, 8)]
-    return base + [rng.randint(20, 60) for _ in range(rng.randint(1, 10))]
 
 
 class ElasticKVMachine(RuleBasedStateMachine):
