@@ -74,26 +74,48 @@ def nodes_holding(tree_cache, mask: torch.Tensor) -> List[Tuple[int, torch.Tenso
                     got += hit
     else:
         node_id, gap = int(core.root_node_handle()), 0
+        batch: List[Tuple[int, torch.Tensor]] = []
+
+        def flush() -> int:
+            # one vectorized membership test per batch of nodes (a tensor op per node would
+            # cost more than the binding call)
+            if not batch:
+                return 0
+            lens = torch.tensor([v.numel() for _, v in batch])
+            hits = mask[torch.cat([v for _, v in batch]).to(torch.int64)].to(torch.int64)
+            ends = torch.cumsum(lens, 0)
+            per_node = torch.cumsum(hits, 0)[ends - 1] - torch.cat(
+                [torch.zeros(1, dtype=torch.int64), torch.cumsum(hits, 0)[ends[:-1] - 1]]
+            )
+            n = 0
+            for (nid, value), h in zip(batch, per_node.tolist()):
+                if h:
+                    again = core.get_component_device_value(nid, full)
+                    if again.data_ptr() != value.data_ptr() or value.dtype != torch.int64:
+                        raise RuntimeError(
+                            "the tree core hands out copies of its KV values: they cannot be "
+                            "rewritten in place"
+                        )
+                    found.append((nid, value))
+                    n += h
+            batch.clear()
+            return n
+
         while got < want and gap < MAX_ID_GAP:
             node_id += 1
             try:
                 value = core.get_component_device_value(node_id, full)
             except KeyError:
                 gap += 1
+                if batch and gap >= 64:  # past the newest nodes, perhaps: count what we have
+                    got += flush()
                 continue
             gap = 0
-            if not isinstance(value, torch.Tensor) or value.numel() == 0:
-                continue
-            hit = int(mask[value.to(torch.int64)].sum())
-            if hit:
-                again = core.get_component_device_value(node_id, full)
-                if again.data_ptr() != value.data_ptr() or value.dtype != torch.int64:
-                    raise RuntimeError(
-                        "the tree core hands out copies of its KV values: they cannot be "
-                        "rewritten in place"
-                    )
-                found.append((node_id, value))
-                got += hit
+            if isinstance(value, torch.Tensor) and value.numel():
+                batch.append((node_id, value))
+                if len(batch) >= 512:
+                    got += flush()
+        got += flush()
     if got != want:
         raise RuntimeError(
             f"the radix tree holds {want} indices to move but its nodes account for {got}"
