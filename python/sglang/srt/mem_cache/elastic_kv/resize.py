@@ -376,9 +376,7 @@ class ElasticKV:
         remap[src_tok] = dst_tok
         step("rewrite")  # the last step that may fail: nothing observable changed yet
         # -- point of no return --
-        rt = self.req_to_token_pool.req_to_token
-        idx = rt.to(torch.int64).clamp_(0, rows - 1)
-        rt.copy_(remap[idx].to(rt.dtype))
+        self._rewrite_rows(remap)
         tree_values.rewrite(nodes, remap)
         for fn in self.extra_remaps:
             fn(remap)
@@ -386,6 +384,17 @@ class ElasticKV:
         self._set_size(plan.new_size)
         released = self.backing.release(plan.new_size + self.page_size)
         return len(src), evicted, released
+
+    def _rewrite_rows(self, remap: torch.Tensor) -> None:
+        """``req_to_token[r] = remap[req_to_token[r]]`` for every row, a row at a time: a row
+        is ``context length`` int32 entries (1 MiB at 262144), the whole table can be tens of
+        MB, and temporaries that large would stay in the allocator's heap after the shrink
+        instead of going back to the OS."""
+        rt = self.req_to_token_pool.req_to_token
+        top = len(remap) - 1
+        for r in range(rt.shape[0]):
+            row = rt[r]
+            row.copy_(remap[row.to(torch.int64).clamp_(0, top)].to(rt.dtype))
 
     # ---- accounting -----------------------------------------------------------------------
 
