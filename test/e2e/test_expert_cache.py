@@ -282,7 +282,7 @@ def _check_rebalances_in_flight(url: str, want, got, done) -> None:
     [
         ({"expert_cache_size": "4"}, "below the floor of one layer's top-k: 8 slots"),
         ({"expert_cache_size": "1000"}, "largest feasible target is 256 slots"),
-        ({"device_memory_budget": "1GB"}, "device_memory_budget is not supported yet"),
+        ({"device_memory_budget": "1TB"}, "above the largest feasible budget"),
         ({"expert_cache_size": "lots"}, "expert_cache_size must be auto, a slot count"),
     ],
 )

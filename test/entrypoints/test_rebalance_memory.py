@@ -6,7 +6,7 @@ tokenizer manager replaced by a stand-in that records what would reach the sched
   key, with a wrong one, or (both set) with the plain API key; GET as POST;
 * bodies: what reaches the scheduler (a slot count as an int or a string, a share, a size,
   ``dry_run``), and 400s that say what to send for every malformed body, without reaching the
-  scheduler, ``device_memory_budget`` included ("not supported yet");
+  scheduler (a target with the budget, ``kv_share`` without one, bad sizes and shares);
 * the scheduler's status and split come back as the answer.
 """
 
@@ -92,6 +92,21 @@ def test_what_reaches_the_scheduler(client):
         assert c.post("/rebalance_memory", json=body).status_code == 200
         assert (c.tm.sent[-1].expert_cache_size, c.tm.sent[-1].dry_run) == (size, dry)
     assert c.tm.sent[0].expert_cache_size is None  # the GET
+    for body, want in [
+        ({"kv_tokens": 4096}, dict(kv_tokens=4096)),
+        (
+            {"kv_tokens": "512", "expert_cache_size": 16},
+            dict(kv_tokens=512, expert_cache_size="16"),
+        ),
+        ({"device_memory_budget": "1GB"}, dict(device_memory_budget=10**9, kv_share=None)),
+        (
+            {"device_memory_budget": "1GiB", "kv_share": 0.25},
+            dict(device_memory_budget=1 << 30, kv_share=0.25),
+        ),
+        ({"device_memory_budget": 123456}, dict(device_memory_budget=123456)),
+    ]:
+        assert c.post("/rebalance_memory", json=body).status_code == 200
+        assert {k: getattr(c.tm.sent[-1], k) for k in want} == want, body
 
 
 @pytest.mark.parametrize(
@@ -101,12 +116,18 @@ def test_what_reaches_the_scheduler(client):
         (b"", "must be a JSON object"),
         (b'["25%"]', "must be a JSON object"),
         (b'{"expert_cache": "25%"}', "unknown field(s) expert_cache; accepted: expert_cache_size"),
-        (b"{}", "give exactly one target of expert_cache_size, device_memory_budget; got 0"),
+        (b"{}", "give a target: expert_cache_size, kv_tokens, device_memory_budget; got none"),
         (
             b'{"expert_cache_size": "8", "device_memory_budget": "10GB"}',
-            "exactly one target",
+            "give it alone (with kv_share for the KV side's share), not with expert_cache_size",
         ),
-        (b'{"device_memory_budget": "10GB"}', "device_memory_budget is not supported yet"),
+        (b'{"device_memory_budget": "lots"}', 'must be a size such as "10GB"'),
+        (b'{"device_memory_budget": "25%"}', 'must be a size such as "10GB"'),
+        (b'{"device_memory_budget": 0}', "must be positive"),
+        (b'{"kv_tokens": 64, "kv_share": 0.5}', "kv_share splits a device_memory_budget"),
+        (b'{"device_memory_budget": "1GB", "kv_share": 1.5}', "kv_share must be a number in"),
+        (b'{"kv_tokens": -3}', "kv_tokens must be a positive integer"),
+        (b'{"kv_tokens": true}', "kv_tokens must be a positive integer"),
         (b'{"expert_cache_size": "lots"}', "expert_cache_size must be auto, a slot count"),
         (b'{"expert_cache_size": "150%"}', "percentage must be in (0, 100]"),
         (b'{"expert_cache_size": true}', "must be a string or an integer"),

@@ -238,7 +238,9 @@ def test_handler_reports_resizes_and_refuses(served):
     got = served()  # GET: the current split
     assert got.success and got.status_code == 200
     assert got.split["expert_cache"]["slots"] == L * E // 2
-    assert got.split["kv"] == {"kv_tokens": 1024, "kv_tokens_free": 900, "kv_bytes": 1 << 29}
+    kv = dict(got.split["kv"])
+    assert not kv.pop("kv_resizable") and kv.pop("kv_not_resizable")  # a stand-in pool
+    assert kv == {"kv_tokens": 1024, "kv_tokens_free": 900, "kv_bytes": 1 << 29}
     got = served(expert_cache_size=str(K))
     assert got.status_code == 200 and got.split["expert_cache"]["slots"] == K == cache.num_slots
     assert got.split["previous_slots"] == L * E // 2 and got.split["time_ms"] > 0

@@ -16,44 +16,71 @@ same iteration (``recv_requests`` broadcasts the inputs before dispatch), so all
 at the same safe point, and the tokenizer manager reports the first failure of any rank (today
 ``--enable-expert-cache`` refuses TP > 1, ``expert_cache/method.make_for_layer``).
 
-Targets: ``expert_cache_size`` (the units of ``--expert-cache-size``). ``device_memory_budget``
-(KV pages and slots together) is the next slice and answers 400 "not supported yet".
+Targets: ``expert_cache_size`` (the units of ``--expert-cache-size``), ``kv_tokens`` (the KV
+pool's size in tokens; with ``expert_cache_size`` or alone), or ``device_memory_budget`` (bytes
+or a size such as ``"10GB"`` for KV pages and slots together, split by ``kv_share`` or in the
+proportion of the current split: ``managers/memory_budget.py``). KV pages resize on the CPU
+(``mem_cache/elastic_kv/``); shrinks run before grows, and when the second part fails the first
+is undone, so the split is either the new one or the old one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional
 
 logger = logging.getLogger(__name__)
 
-# Body fields of POST /rebalance_memory: the targets (exactly one) and the options.
-TARGETS = ("expert_cache_size", "device_memory_budget")
-NOT_SUPPORTED_YET = {
-    "device_memory_budget": (
-        "device_memory_budget is not supported yet: KV pages do not resize yet, only the "
-        'expert-slot pool does; give {"expert_cache_size": "N" | "25%" | "4GB"}'
-    ),
-}
-OPTIONS = ("dry_run",)
+# Body fields of POST /rebalance_memory: the targets and the options.
+TARGETS = ("expert_cache_size", "kv_tokens", "device_memory_budget")
+OPTIONS = ("kv_share", "dry_run")
+
+
+def _parse_bytes(value: Any) -> int:
+    from sglang.srt.layers.moe.expert_cache.config import CacheSize
+
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(
+            f'device_memory_budget must be a size such as "10GB" or a byte count; got '
+            f"{type(value).__name__}"
+        )
+    if isinstance(value, int) or str(value).strip().isdigit():
+        n = int(value)
+    else:
+        try:
+            size = CacheSize.parse(str(value))
+        except ValueError:
+            size = None
+        if size is None or size.bytes is None:
+            raise ValueError(
+                f'device_memory_budget must be a size such as "10GB", "512MiB" or a byte '
+                f"count; got {value!r}"
+            ) from None
+        n = size.bytes
+    if n <= 0:
+        raise ValueError(f"device_memory_budget must be positive; got {value!r}")
+    return n
 
 
 def request_from_body(body: Any):
     """The scheduler request for a ``POST /rebalance_memory`` JSON body.
 
     Args:
-        body: the decoded JSON: an object with exactly one target, ``expert_cache_size``
-            (string or integer, as ``--expert-cache-size``: ``"64"``, ``"25%"``, ``"4GB"``),
-            and optionally ``dry_run`` (bool: check the target, change nothing).
+        body: the decoded JSON: an object with ``expert_cache_size`` (string or integer, as
+            ``--expert-cache-size``: ``"64"``, ``"25%"``, ``"4GB"``) and/or ``kv_tokens``
+            (integer), or ``device_memory_budget`` alone (``"10GB"`` or bytes) with optionally
+            ``kv_share`` (the KV side's share, in (0, 1]); optionally ``dry_run`` (bool: check
+            the target, change nothing).
 
     Returns:
-        ``io_struct.RebalanceMemoryReqInput``.
+        ``io_struct.RebalanceMemoryReqInput`` (``device_memory_budget`` in bytes).
 
     Raises:
-        ValueError: not an object, unknown fields, no target or two, a target that is not
-            supported yet, a malformed size; the message says what to send.
+        ValueError: not an object, unknown fields, no target, a budget with another target,
+            ``kv_share`` without a budget, a malformed size; the message says what to send.
     """
     from sglang.srt.layers.moe.expert_cache.config import CacheSize
     from sglang.srt.managers.io_struct import RebalanceMemoryReqInput
@@ -69,36 +96,67 @@ def request_from_body(body: Any):
             f"unknown field(s) {', '.join(unknown)}; accepted: {', '.join(TARGETS + OPTIONS)}"
         )
     targets = [t for t in TARGETS if body.get(t) is not None]
-    if len(targets) != 1:
+    if not targets:
+        raise ValueError(f"give a target: {', '.join(TARGETS)}; got none")
+    if "device_memory_budget" in targets and len(targets) > 1:
         raise ValueError(
-            f"give exactly one target of {', '.join(TARGETS)}; got {len(targets)}"
-            + (f" ({', '.join(targets)})" if targets else "")
+            "device_memory_budget is the whole split: give it alone (with kv_share for the KV "
+            f"side's share), not with {', '.join(t for t in targets if t != 'device_memory_budget')}"
         )
-    if targets[0] in NOT_SUPPORTED_YET:
-        raise ValueError(NOT_SUPPORTED_YET[targets[0]])
-    size = body["expert_cache_size"]
-    if isinstance(size, bool) or not isinstance(size, (str, int)):
-        raise ValueError(
-            f"expert_cache_size must be a string or an integer; got {type(size).__name__}"
-        )
-    try:
-        CacheSize.parse(str(size))
-    except ValueError as e:
-        raise ValueError(str(e).replace("--expert-cache-size", "expert_cache_size")) from None
+    fields: Dict[str, Any] = {}
+    if "expert_cache_size" in targets:
+        size = body["expert_cache_size"]
+        if isinstance(size, bool) or not isinstance(size, (str, int)):
+            raise ValueError(
+                f"expert_cache_size must be a string or an integer; got {type(size).__name__}"
+            )
+        try:
+            CacheSize.parse(str(size))
+        except ValueError as e:
+            raise ValueError(str(e).replace("--expert-cache-size", "expert_cache_size")) from None
+        fields["expert_cache_size"] = str(size)
+    if "kv_tokens" in targets:
+        n = body["kv_tokens"]
+        if isinstance(n, str) and n.strip().isdigit():
+            n = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"kv_tokens must be a positive integer (tokens); got {n!r}")
+        fields["kv_tokens"] = n
+    if "device_memory_budget" in targets:
+        fields["device_memory_budget"] = _parse_bytes(body["device_memory_budget"])
+    share = body.get("kv_share")
+    if share is not None:
+        if "device_memory_budget" not in targets:
+            raise ValueError("kv_share splits a device_memory_budget; give one with it")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"kv_share must be a number in (0, 1]; got {share!r}")
+        fields["kv_share"] = float(share)
     dry_run = body.get("dry_run", False)
     if not isinstance(dry_run, bool):
         raise ValueError(f"dry_run must be true or false; got {dry_run!r}")
-    return RebalanceMemoryReqInput(expert_cache_size=str(size), dry_run=dry_run)
+    return RebalanceMemoryReqInput(dry_run=dry_run, **fields)
 
 
 def kv_split(scheduler) -> Dict[str, Any]:
-    """The KV side as it is (it does not resize yet): ``kv_tokens`` (pool size in tokens),
-    ``kv_tokens_free`` and ``kv_bytes`` (None where the pool does not say)."""
+    """The KV side: ``kv_tokens`` (pool size in tokens), ``kv_tokens_free``, ``kv_bytes``
+    and, where KV pages resize (:mod:`sglang.srt.mem_cache.elastic_kv`), the token size, the
+    floor, the largest pool, the bytes resident and the resize counters
+    (``ElasticKV.split``); ``kv_resizable`` says which, ``kv_not_resizable`` why not."""
+    from sglang.srt.mem_cache.elastic_kv.scheduler_glue import elastic_kv_of, reserve_tokens
+
+    el, why = elastic_kv_of(scheduler)
+    if el is not None:
+        out = el.split()
+        out["kv_floor_tokens"] = el.floor(reserve_tokens(scheduler))
+        out["kv_resizable"] = True
+        return out
     alloc = scheduler.token_to_kv_pool_allocator
     out: Dict[str, Any] = dict(
         kv_tokens=int(scheduler.max_total_num_tokens),
         kv_tokens_free=int(alloc.available_size()),
         kv_bytes=None,
+        kv_resizable=False,
+        kv_not_resizable=why,
     )
     try:
         usage = getattr(alloc.get_kvcache(), "mem_usage", None)  # GiB (memory_pool.GB)
@@ -109,17 +167,65 @@ def kv_split(scheduler) -> Dict[str, Any]:
     return out
 
 
+class _Refused(ValueError):
+    pass
+
+
+def _targets(cache, el, why: str, req, reserve):
+    """``(kv_tokens or None, slots spec or None)`` for the request; raises _Refused."""
+    from sglang.srt.layers.moe.expert_cache.rebalance import max_feasible_slots
+    from sglang.srt.managers.memory_budget import BudgetRefused, Side, split_budget
+
+    if req.device_memory_budget is None:
+        if req.kv_tokens is not None and el is None:
+            raise _Refused(f"kv_tokens: KV pages do not resize on this server ({why})")
+        if req.expert_cache_size is not None and cache is None:
+            raise _Refused(
+                "this server runs without --enable-expert-cache: there is no expert-slot pool "
+                "to resize"
+            )
+        return req.kv_tokens, req.expert_cache_size
+    if el is None and cache is None:
+        raise _Refused(
+            f"device_memory_budget: neither KV pages nor expert slots resize on this server ({why})"
+        )
+    if el is None:
+        raise _Refused(f"device_memory_budget: KV pages do not resize on this server ({why})")
+    kv_side = Side(
+        unit_bytes=el.token_bytes,
+        fixed_bytes=el.page_size * el.token_bytes,
+        floor=el.floor(reserve),
+        ceiling=el.max_tokens,
+        current=el.size,
+        step=el.page_size,
+    )
+    slot_side = None
+    if cache is not None:
+        slot_side = Side(
+            unit_bytes=cache.host.expert_bytes,
+            floor=cache.top_k,
+            ceiling=max_feasible_slots(cache),
+            current=cache.num_slots,
+        )
+    try:
+        kv_tokens, slots = split_budget(req.device_memory_budget, kv_side, slot_side, req.kv_share)
+    except BudgetRefused as e:
+        raise _Refused(str(e)) from None
+    return kv_tokens, (str(slots) if cache is not None else None)
+
+
 def handle_rebalance_memory(scheduler, req):
     """Answer one ``RebalanceMemoryReqInput`` at the scheduler's safe point (the dispatcher of
     ``Scheduler.process_input_requests``, patch 0036). Never raises: every failure becomes the
     reply (a dead scheduler would end every request).
 
     Returns:
-        ``RebalanceMemoryReqOutput``: status 200 and ``split = {"expert_cache": {...},
-        "kv": {...}}`` plus, after a resize, ``previous_slots``, ``released_bytes``,
-        ``time_ms``, ``dry_run``; 400 for a target refused (the message names the floor or the
-        largest feasible target, or says the cache is off); 500 when a resize failed and rolled
-        back.
+        ``RebalanceMemoryReqOutput``: status 200 and ``split = {"expert_cache": {...} or None,
+        "kv": {...}}`` plus, after a resize, ``previous_slots``, ``previous_kv_tokens``,
+        ``released_bytes`` (slots and KV), ``time_ms``, ``dry_run`` and ``kv_resize`` (the KV
+        step's figures); 400 for a target refused (the message names the floor or the largest
+        feasible target, or says what does not resize); 500 when a resize failed and rolled
+        back, or when the KV accounting check after it found a problem.
     """
     from sglang.srt.layers.moe.expert_cache.method import get_expert_slot_cache
     from sglang.srt.layers.moe.expert_cache.rebalance import (
@@ -127,15 +233,32 @@ def handle_rebalance_memory(scheduler, req):
         RebalanceRefused,
         expert_cache_split,
         rebalance,
+        target_slots,
     )
     from sglang.srt.managers.io_struct import RebalanceMemoryReqOutput
+    from sglang.srt.mem_cache.elastic_kv.resize import KVResizeFailed, KVResizeRefused
+    from sglang.srt.mem_cache.elastic_kv.scheduler_glue import (
+        check_accounting,
+        elastic_kv_of,
+        publish_size,
+        reserve_tokens,
+    )
 
-    def reply(status: HTTPStatus, message: str, split: Optional[Dict[str, Any]] = None):
-        split = dict(split or {})
+    cache = get_expert_slot_cache()
+    if cache is not None and not cache.finalized:
+        cache = None
+
+    def reply(status: HTTPStatus, message: str, extra: Optional[Dict[str, Any]] = None):
+        split: Dict[str, Any] = {}
+        try:
+            split["expert_cache"] = expert_cache_split(cache) if cache is not None else None
+        except Exception as e:  # noqa: BLE001 - the answer must go out
+            split["expert_cache"] = {"error": str(e)}
         try:
             split["kv"] = kv_split(scheduler)
         except Exception as e:  # noqa: BLE001 - the answer must go out
             split["kv"] = {"error": str(e)}
+        split.update(extra or {})
         return RebalanceMemoryReqOutput(
             success=status == HTTPStatus.OK,
             status_code=int(status),
@@ -143,35 +266,95 @@ def handle_rebalance_memory(scheduler, req):
             split=split,
         )
 
-    cache = get_expert_slot_cache()
-    if cache is None or not cache.finalized:
-        return reply(
-            HTTPStatus.BAD_REQUEST,
-            "this server runs without --enable-expert-cache: there is no expert-slot pool to "
-            "resize (and KV pages do not resize yet)",
-        )
+    t0 = time.perf_counter()
     try:
-        if req.expert_cache_size is None:
-            return reply(HTTPStatus.OK, "", {"expert_cache": expert_cache_split(cache)})
-        result = rebalance(cache, req.expert_cache_size, dry_run=req.dry_run)
-    except RebalanceRefused as e:
-        return reply(HTTPStatus.BAD_REQUEST, str(e), {"expert_cache": expert_cache_split(cache)})
-    except RebalanceFailed as e:
-        logger.error("rebalance_memory: %s", e)
-        return reply(
-            HTTPStatus.INTERNAL_SERVER_ERROR, str(e), {"expert_cache": expert_cache_split(cache)}
-        )
+        el, why = elastic_kv_of(scheduler)
+        targets = (req.expert_cache_size, req.kv_tokens, req.device_memory_budget)
+        if all(t is None for t in targets):
+            return reply(HTTPStatus.OK, "")
+        if req.device_memory_budget is None and req.kv_tokens is None and cache is None:
+            return reply(
+                HTTPStatus.BAD_REQUEST,
+                "this server runs without --enable-expert-cache: there is no expert-slot pool to "
+                "resize" + (f" (and KV pages do not resize: {why})" if el is None else ""),
+            )
+        reserve = reserve_tokens(scheduler) if el is not None else 0
+        kv_target, slot_spec = _targets(cache, el, why, req, reserve)
+        # dry run of both sides first: nothing changes unless both targets are feasible
+        slots = target_slots(cache, slot_spec) if slot_spec is not None else None
+        if kv_target is not None:
+            el.plan(kv_target, reserve)
+    except (_Refused, RebalanceRefused, KVResizeRefused) as e:
+        return reply(HTTPStatus.BAD_REQUEST, str(e))
     except Exception as e:  # noqa: BLE001 - a bug must not end the scheduler
         logger.exception("rebalance_memory failed")
         return reply(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+
+    extra: Dict[str, Any] = dict(dry_run=req.dry_run, released_bytes=0)
+    if cache is not None:
+        extra["previous_slots"] = cache.num_slots
+    if el is not None:
+        extra["previous_kv_tokens"] = el.size
+    if req.dry_run:
+        extra.update(target_slots=slots, target_kv_tokens=kv_target)
+        extra["time_ms"] = (time.perf_counter() - t0) * 1e3
+        return reply(HTTPStatus.OK, "", extra)
+
+    # shrinks first (memory returns before it is taken), grows after; undo on failure
+    steps = []
+    if slots is not None and slots != cache.num_slots:
+        steps.append(("slots", slots, cache.num_slots))
+    if kv_target is not None and el.target(kv_target) != el.size:
+        steps.append(("kv", el.target(kv_target), el.size))
+    steps.sort(key=lambda s: s[1] >= s[2])  # shrinks (new < old) first
+    done = []
+
+    def apply(kind, target):
+        if kind == "slots":
+            r = rebalance(cache, str(target))
+            return r["released_bytes"], r
+        r = el.resize(target, reserve_tokens=reserve)
+        publish_size(scheduler, el.size)
+        return r["released_bytes"], r
+
+    try:
+        for kind, target, old in steps:
+            released, r = apply(kind, target)
+            extra["released_bytes"] += released
+            if kind == "kv":
+                extra["kv_resize"] = r
+            done.append((kind, target, old))
+    except (RebalanceFailed, KVResizeFailed, KVResizeRefused, RebalanceRefused) as e:
+        undo = []
+        for kind, _, old in reversed(done):
+            try:
+                apply(kind, old)
+                undo.append(f"{kind} back at {old}")
+            except Exception as e2:  # noqa: BLE001
+                logger.error("rebalance_memory: undoing the %s step failed: %s", kind, e2)
+                undo.append(f"{kind} could not go back to {old} ({e2})")
+        logger.error("rebalance_memory: %s", e)
+        msg = str(e) + (f"; undone: {', '.join(undo)}" if undo else "")
+        refused = isinstance(e, (KVResizeRefused, RebalanceRefused))
+        return reply(HTTPStatus.BAD_REQUEST if refused else HTTPStatus.INTERNAL_SERVER_ERROR, msg)
+    except Exception as e:  # noqa: BLE001 - a bug must not end the scheduler
+        logger.exception("rebalance_memory failed")
+        return reply(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+    extra["time_ms"] = (time.perf_counter() - t0) * 1e3
+    if el is not None:
+        problems = check_accounting(scheduler, el)
+        if problems:
+            return reply(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                "KV accounting after the rebalance: " + "; ".join(problems),
+                extra,
+            )
     logger.info(
-        "rebalance_memory: expert cache %d -> %d slots in %.1f ms%s",
-        result["previous_slots"],
-        result["expert_cache"]["slots"],
-        result["time_ms"],
-        " (dry run)" if result["dry_run"] else "",
+        "rebalance_memory: %s in %.1f ms",
+        ", ".join(f"{k} {o} -> {t}" for k, t, o in done) or "no change",
+        extra["time_ms"],
     )
-    return reply(HTTPStatus.OK, "", result)
+    return reply(HTTPStatus.OK, "", extra)
 
 
 def merge_rank_replies(results: List[Any]):

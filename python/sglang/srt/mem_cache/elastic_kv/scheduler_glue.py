@@ -1,0 +1,101 @@
+"""The scheduler's side of elastic KV (issue 15): which pools and requests a KV resize touches,
+what the running requests still need, and the copies of the pool size the scheduler's
+components keep.
+
+Called by ``managers/memory_rebalance.py`` at the safe point (the top of an event-loop
+iteration, no batch in flight: the CPU server runs without the overlap scheduler).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List, Optional, Tuple
+
+from sglang.srt.mem_cache.elastic_kv.accounting import kv_accounting_problems
+from sglang.srt.mem_cache.elastic_kv.resize import ElasticKV, KVResizeRefused
+
+logger = logging.getLogger(__name__)
+
+# The largest KV pool a grow may reach, in tokens (default: the size the server started with).
+MAX_TOKENS_ENV = "SGLANG_ELASTIC_KV_MAX_TOKENS"
+
+
+def elastic_kv_of(scheduler) -> Tuple[Optional[ElasticKV], str]:
+    """The scheduler's :class:`ElasticKV` (made at the first call), or ``(None, why not)``."""
+    el = getattr(scheduler, "_elastic_kv", None)
+    if el is not None:
+        return el, ""
+    if getattr(scheduler, "enable_overlap", False):
+        return (
+            None,
+            "KV pages resize only without the overlap scheduler (--disable-overlap-schedule)",
+        )
+    alloc = scheduler.token_to_kv_pool_allocator
+    try:
+        raw = os.environ.get(MAX_TOKENS_ENV)
+        el = ElasticKV(
+            alloc.get_kvcache(),
+            alloc,
+            scheduler.req_to_token_pool,
+            scheduler.tree_cache,
+            max_tokens=int(raw) if raw else None,
+        )
+    except (KVResizeRefused, AttributeError, TypeError, ValueError) as e:
+        return None, str(e)
+    scheduler._elastic_kv = el
+    return el, ""
+
+
+def kv_holders(scheduler) -> List:
+    """Requests that hold KV outside the tree at a safe point: the running batch and the
+    chunked prefill."""
+    reqs = list(getattr(scheduler.running_batch, "reqs", None) or [])
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None and chunked not in reqs:
+        reqs.append(chunked)
+    return reqs
+
+
+def reserve_tokens(scheduler) -> int:
+    """KV tokens the running requests may still need: each one's remaining ``max_new_tokens``
+    plus a chunked prefill's unprefilled input. A shrink keeps them, so no running request is
+    retracted for lack of KV pages because of it."""
+    total = 0
+    for req in kv_holders(scheduler):
+        max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
+        total += max(0, int(max_new) - len(req.output_ids))
+        total += max(0, len(req.origin_input_ids) - int(req.kv.kv_allocated_len))
+    return total
+
+
+def publish_size(scheduler, tokens: int) -> None:
+    """Tell the scheduler and its components the pool's new size (tokens): the idle invariant
+    check, the pool statistics and the load reports read their own copies.
+
+    Upstream's components take the size as a constructor constant, some of them frozen
+    dataclasses (``SchedulerPoolStatsObserver``, ``SchedulerLoadInquirer``); a resize changes
+    it, so it is written with ``object.__setattr__`` (the documented way around ``frozen``),
+    at the safe point, where none of them runs. Never raises (the pool has already resized)."""
+    scheduler.max_total_num_tokens = tokens
+    widen = int(getattr(scheduler, "kv_shard_widening", 1) or 1)
+    for name, value in (
+        ("pool_stats_observer", tokens * widen),
+        ("invariant_checker", tokens * widen),
+        ("load_inquirer", tokens * widen),
+        ("kv_events_publisher", tokens),
+    ):
+        comp = getattr(scheduler, name, None)
+        if comp is not None and hasattr(comp, "max_total_num_tokens"):
+            try:
+                object.__setattr__(comp, "max_total_num_tokens", value)
+            except (AttributeError, TypeError) as e:
+                logger.error("elastic KV: %s keeps the old pool size (%s)", name, e)
+
+
+def check_accounting(scheduler, el: ElasticKV) -> List[str]:
+    """:func:`kv_accounting_problems` for the scheduler's requests; logs what it finds."""
+    problems = kv_accounting_problems(el, kv_holders(scheduler))
+    for p in problems:
+        logger.error("elastic KV accounting: %s", p)
+    return problems

@@ -1,0 +1,164 @@
+"""``/rebalance_memory``'s scheduler handler over a real KV pool and radix cache (``KVSim``),
+and the budget split (``managers/memory_budget.py``), without a server: ``kv_tokens`` and
+``device_memory_budget`` shrink and grow KV pages with requests holding KV, the split reports
+tokens and bytes, refusals name the floor or the largest feasible budget, and the scheduler's
+copies of the pool size follow."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from kv_sim import KVSim
+from kv_sim import random_prompt as _prompt
+
+from sglang.srt.managers.memory_budget import BudgetRefused, Side, split_budget
+
+
+@pytest.fixture
+def handled(monkeypatch):
+    from sglang.srt.layers.moe.expert_cache import method
+    from sglang.srt.managers.io_struct import RebalanceMemoryReqInput
+    from sglang.srt.managers.memory_rebalance import handle_rebalance_memory
+
+    monkeypatch.setattr(method, "_CACHE", None)  # a server without the expert cache
+    sim = KVSim(kv_tokens=96, max_tokens=128)
+    rng = random.Random(2)
+    for _ in range(12):
+        sim.admit(_prompt(rng))
+    for r in list(sim.running)[::2]:
+        sim.finish(r)
+    sched = SimpleNamespace(
+        token_to_kv_pool_allocator=sim.alloc,
+        req_to_token_pool=sim.rtp,
+        tree_cache=sim.cache,
+        running_batch=SimpleNamespace(reqs=sim.running),
+        chunked_req=None,
+        enable_overlap=False,
+        max_total_num_tokens=96,
+        invariant_checker=SimpleNamespace(max_total_num_tokens=96),
+        _elastic_kv=sim.elastic,  # reserved for 128 tokens (the server: SGLANG_ELASTIC_KV_MAX_TOKENS)
+    )
+
+    def handle(**fields):
+        return handle_rebalance_memory(sched, RebalanceMemoryReqInput(**fields))
+
+    handle.sim, handle.sched = sim, sched
+    return handle
+
+
+def test_kv_tokens_shrink_and_grow(handled):
+    sim, sched = handled.sim, handled.sched
+    got = handled()
+    kv = got.split["kv"]
+    assert got.status_code == 200 and kv["kv_resizable"] and kv["kv_tokens"] == 96
+    tb = kv["kv_token_bytes"]
+    assert tb == 2 * 1 * (4 + 4) * 4 and kv["kv_bytes"] == 97 * tb
+    reserve = sum(8 - len(r.output_ids) for r in sim.running)
+    assert kv["kv_floor_tokens"] == sim.elastic.floor() + reserve
+    floor = kv["kv_floor_tokens"]
+    got = handled(kv_tokens=floor)
+    assert got.status_code == 200, got.message
+    assert got.split["kv"]["kv_tokens"] == floor == sched.max_total_num_tokens
+    assert sched.invariant_checker.max_total_num_tokens == floor
+    assert got.split["previous_kv_tokens"] == 96 and got.split["kv_resize"]["moved_pages"] >= 0
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    got = handled(kv_tokens=floor - 1)
+    assert got.status_code == 400 and f"below the floor of {floor} tokens" in got.message
+    got = handled(kv_tokens=129)
+    assert got.status_code == 400 and "largest feasible target, 128 tokens" in got.message
+    got = handled(kv_tokens=128)
+    assert got.status_code == 200 and sched.max_total_num_tokens == 128
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    got = handled(kv_tokens=64, dry_run=True)
+    assert got.status_code == 200 and got.split["dry_run"] and sim.elastic.size == 128
+
+
+def test_budget_goes_to_kv_without_the_cache(handled):
+    sim = handled.sim
+    tb = sim.elastic.token_bytes
+    got = handled(device_memory_budget=(64 + 1) * tb + tb // 2)  # 64 tokens + the padding row
+    assert got.status_code == 200, got.message
+    assert got.split["kv"]["kv_tokens"] == 64 and got.split["kv"]["kv_bytes"] == 65 * tb
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    got = handled(device_memory_budget=10)
+    assert got.status_code == 400 and "the smallest feasible budget is" in got.message
+    got = handled(expert_cache_size="8")
+    assert got.status_code == 400 and "--enable-expert-cache" in got.message
+
+
+def test_split_budget_proportion_floors_and_ceilings():
+    kv = Side(unit_bytes=100, fixed_bytes=100, floor=10, ceiling=1000, current=300)
+    slots = Side(unit_bytes=1000, floor=8, ceiling=64, current=30)  # now: 30100 KV, 30000 slots
+    k, s = split_budget(30100, kv, slots)  # half the bytes: the same proportion
+    assert (k, s) == (150, 15) and kv.bytes_of(k) + slots.bytes_of(s) <= 30100
+    k, s = split_budget(30100, kv, slots, kv_share=0.9)
+    assert s == 8 and k == (30100 - 8000 - 100) // 100  # slots at their floor, KV the rest
+    k, s = split_budget(150000, kv, slots, kv_share=0.01)
+    assert s == 64 and k == (150000 - 64000 - 100) // 100  # slots full, KV the rest
+    with pytest.raises(BudgetRefused, match="smallest feasible budget is 9100 bytes"):
+        split_budget(9099, kv, slots)
+    with pytest.raises(BudgetRefused, match="largest feasible budget, 164100 bytes"):
+        split_budget(164101, kv, slots)
+    paged = Side(unit_bytes=10, fixed_bytes=40, floor=8, ceiling=400, current=100, step=4)
+    assert split_budget(40 + 10 * 103, paged, None) == (100, 0)  # whole pages only
+
+
+@pytest.fixture
+def handled_with_cache(handled, monkeypatch):
+    """``handled`` with an expert-slot cache at 50% (``test/expert_cache``'s tiny one)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "expert_cache"))
+    from test_slot_cache import E, L, make_cache
+
+    from sglang.srt.layers.moe.expert_cache import method
+
+    cache = make_cache("50%", "fill")
+    monkeypatch.setattr(method, "_CACHE", cache)
+    handled.cache, handled.pool = cache, L * E
+    return handled
+
+
+def test_budget_splits_kv_and_slots(handled_with_cache):
+    h, sim, cache = handled_with_cache, handled_with_cache.sim, handled_with_cache.cache
+    split = h().split
+    kv_b, slot_b = split["kv"]["kv_bytes"], split["expert_cache"]["slot_bytes"]
+    eb, tb = cache.host.expert_bytes, split["kv"]["kv_token_bytes"]
+    got = h(device_memory_budget=kv_b + slot_b - 8 * eb)  # 8 slots' worth less, same proportion
+    assert got.status_code == 200, got.message
+    kv, slots = got.split["kv"], got.split["expert_cache"]
+    assert kv["kv_bytes"] + slots["slot_bytes"] <= kv_b + slot_b - 8 * eb
+    # the KV side's share is ~1.4% (the tiny cache's experts are big next to its KV): the slots
+    # get their proportional whole slots, KV its share plus the part of a slot left over
+    budget = kv_b + slot_b - 8 * eb
+    assert slots["slots"] == int(budget * (1 - kv_b / (kv_b + slot_b)) - tb) // eb
+    assert kv["kv_tokens"] == min(128, (budget - slots["slot_bytes"]) // tb - 1)
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    got = h(device_memory_budget=h.pool * eb + 100 * tb, kv_share=0.001)  # slots at the ceiling
+    assert got.status_code == 200 and got.split["expert_cache"]["slots"] == h.pool
+    assert got.split["kv"]["kv_tokens"] == 99  # KV the rest (its floor is below that)
+
+
+def test_second_part_fails_first_undone(handled_with_cache, monkeypatch):
+    """A KV shrink then a slot grow that fails: the KV shrink is undone, the answer a 500."""
+    h, sim, cache = handled_with_cache, handled_with_cache.sim, handled_with_cache.cache
+    slots_before = cache.num_slots
+
+    def broken(n, on_step=None):
+        raise MemoryError("injected: no memory for the slots")
+
+    monkeypatch.setattr(cache, "resize_slots", broken)
+    floor = h().split["kv"]["kv_floor_tokens"]
+    got = h(kv_tokens=floor, expert_cache_size="100%")
+    assert got.status_code == 500 and "undone: kv back at 96" in got.message, got.message
+    assert (
+        sim.elastic.size == 96 == h.sched.max_total_num_tokens and cache.num_slots == slots_before
+    )
+    assert got.split["kv"]["kv_resizes"] == 2  # the shrink and its undo
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    for _ in range(10):  # and the pools serve on
+        sim.admit(_prompt(random.Random(_)))
+    assert sim.accounting() == [] and sim.kv_problems() == []
