@@ -22,7 +22,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 POOL = 512
 
 
-def reference(q_seq, k_seq, v_seq, sinks, scale, sliding_window):
+def reference(q_seq, k_seq, v_seq, sinks, scale, sliding_window, chunk=None):
     """float64 gpt-oss eager attention of one whole sequence: q [L, hq, d], k / v
     [L, hkv, d], sinks [hq]; ``sliding_window`` None (full) or the config's window (keys
     counted including the query's own). Returns [L, hq, d]."""
@@ -36,7 +36,11 @@ def reference(q_seq, k_seq, v_seq, sinks, scale, sliding_window):
     visible = j <= i
     if sliding_window is not None:
         visible &= j > i - sliding_window
+    if chunk is not None:  # transformers' chunked_causal_mask_function (Llama 4)
+        visible &= (j // chunk) == (i // chunk)
     s = s.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        sinks = torch.full((hq,), float("-inf"))
     sink = sinks.double().reshape(hq, 1, 1).expand(hq, L, 1)
     logits = torch.cat([s, sink], -1)
     logits = logits - logits.max(-1, keepdim=True).values
@@ -74,12 +78,18 @@ def make_batch(seq_lens, ext_lens, hq, hkv, d, seed=0):
     )
 
 
-def expected_new_rows(b, scale, sliding_window):
+def expected_new_rows(b, scale, sliding_window, chunk=None, sinks=True):
     outs = []
     for r, n in enumerate(b["seq_lens"].tolist()):
         t = b["req_to_token"][b["pool_idx"][r], :n].long()
         ref = reference(
-            b["q_full"][r], b["k_cache"][t], b["v_cache"][t], b["sinks"], scale, sliding_window
+            b["q_full"][r],
+            b["k_cache"][t],
+            b["v_cache"][t],
+            b["sinks"] if sinks else None,
+            scale,
+            sliding_window,
+            chunk,
         )
         outs.append(ref[n - int(b["ext_lens"][r]) :])
     return torch.cat(outs)
@@ -275,3 +285,40 @@ def test_cross_attention_refused_with_a_reason():
         tns.extend_for_layer(
             None, None, None, layer, SimpleNamespace(encoder_lens=None), None, True
         )
+
+
+@pytest.mark.parametrize("seq_lens,ext_lens", CASES)
+@pytest.mark.parametrize("block_elems", [None, 64])
+def test_chunked_extend_and_decode_match_the_chunked_mask(seq_lens, ext_lens, block_elems):
+    """Llama 4's chunked local attention (patch 0016), no sinks: each query sees the keys of
+    its own chunk of 16 only; the global mask (what upstream's backend computed) misses."""
+    hq, hkv, d, chunk = 4, 2, 16, 16
+    scale = d**-0.5
+    b = make_batch(seq_lens, ext_lens, hq, hkv, d)
+    args = (b["k_cache"], b["v_cache"], b["req_to_token"], b["pool_idx"], b["seq_lens"])
+    out = torch.full_like(b["q"], float("nan"))
+    tns.extend_with_sinks(
+        b["q"], out, *args, b["ext_lens"], None, scaling=scale, block_elems=block_elems, chunk=chunk
+    )
+    want = expected_new_rows(b, scale, None, chunk=chunk, sinks=False)
+    torch.testing.assert_close(out.double(), want, **TOL)
+    unchunked = expected_new_rows(b, scale, None, sinks=False)
+    assert not torch.allclose(unchunked, want, atol=1e-2)
+    d_lens = [1, 15, 16, 17, 70]
+    bd = make_batch(d_lens, [1] * len(d_lens), hq, hkv, d, seed=3)
+    dout = torch.empty_like(bd["q"])
+    dargs = (bd["k_cache"], bd["v_cache"], bd["req_to_token"], bd["pool_idx"], bd["seq_lens"])
+    tns.decode_with_sinks(bd["q"], dout, *dargs, None, scaling=scale, chunk=chunk)
+    want = expected_new_rows(bd, scale, None, chunk=chunk, sinks=False)
+    torch.testing.assert_close(dout.double(), want, **TOL)
+
+
+def test_layer_chunk_reads_the_backend_and_the_layer():
+    backend = SimpleNamespace(attention_chunk_size=8192)
+    assert tns.layer_chunk(backend, SimpleNamespace(use_irope=True)) == 8192
+    assert tns.layer_chunk(backend, SimpleNamespace(use_irope=False)) is None  # NoPE: global
+    assert (
+        tns.layer_chunk(SimpleNamespace(attention_chunk_size=None), SimpleNamespace(use_irope=True))
+        is None
+    )
+    assert tns.layer_chunk(SimpleNamespace(), SimpleNamespace()) is None

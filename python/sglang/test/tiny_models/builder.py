@@ -692,9 +692,10 @@ def _gemma4_specs(cfg: dict) -> List[Tuple[str, _Spec]]:
 # expert; experts fused as ``feed_forward.experts.gate_up_proj`` [E, H, 2I] / ``down_proj``
 # [E, I, H] (input-major, unlike Gemma 4's); every fourth layer without RoPE (NoPE, with
 # attention temperature tuning), L2 q/k norms on the RoPE layers, chunked local attention
-# (``attention_chunk_size``: the release's 8192, longer than the tests' prompts: the
-# ``torch_native`` backend does not mask it), and a vision tower (one tiny layer).
+# (``attention_chunk_size``: 64 instead of the release's 8192, so that the tests' prompts cross
+# chunks), and a vision tower (one tiny layer).
 LLAMA4_EXPERTS = 16
+LLAMA4_CHUNK = 64
 
 
 def _llama4_config() -> dict:
@@ -704,7 +705,7 @@ def _llama4_config() -> dict:
     v = tok_mod.VOCAB_SIZE
     text = {
         "attention_bias": False,
-        "attention_chunk_size": 8192,
+        "attention_chunk_size": LLAMA4_CHUNK,
         "attention_dropout": 0.0,
         "attn_scale": 0.1,
         "attn_temperature_tuning": True,

@@ -17,7 +17,9 @@ against the keys they can see (the cached prefix too, limited to the window), th
 softmax, and the values. Query rows go in blocks so that no score matrix larger than
 ``SGLANG_TORCH_NATIVE_ATTN_BLOCK_ELEMS`` elements (default 2^26) is built at once. It is a plain
 reference-speed path meant for the small models a CPU serves; layers without sinks keep the
-backend's own paths.
+backend's own paths, except Llama 4's chunked local attention layers (``chunk``: each query sees
+the keys of its own ``attention_chunk_size`` chunk), which upstream's backend attended globally
+(patch 0016).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def attend_with_sinks(
     window: Optional[int],
     scaling: float,
     causal: bool = True,
+    chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """Softmax attention of consecutive query rows with a sink logit per head, in float32.
 
@@ -68,7 +71,9 @@ def attend_with_sinks(
     reads KV head h // (heads // kv_heads), as ``repeat_interleave`` does). Query row r is at
     absolute position ``q_pos0 + r``, key j at ``k_pos0 + j``. With ``causal`` row r sees keys at
     positions <= its own and, with ``window`` (SGLang's sliding_window_size), >= its own minus
-    ``window``; without it every key. A row that sees no key returns zeros (all weight on the
+    ``window``; without it every key; with ``chunk`` (Llama 4's ``attention_chunk_size``) only
+    keys of its own chunk, positions >= ``(pos // chunk) * chunk`` (transformers'
+    ``chunked_causal_mask_function``). A row that sees no key returns zeros (all weight on the
     sink). Returns [rows, heads, v_dim] float32.
 
     Raises:
@@ -87,6 +92,8 @@ def attend_with_sinks(
         allowed = k_pos <= q_pos
         if window is not None:
             allowed &= k_pos >= q_pos - window
+        if chunk is not None:
+            allowed &= k_pos >= (q_pos // chunk) * chunk
         scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink = sinks.float().reshape(kv_heads, rep, 1, 1).expand(kv_heads, rep, rows, 1)
@@ -120,6 +127,7 @@ def extend_with_sinks(
     sliding_window_size: Optional[int] = None,
     translate_loc: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     block_elems: Optional[int] = None,
+    chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """Extend (prefill) attention with sinks, computing only the new rows.
 
@@ -128,8 +136,8 @@ def extend_with_sinks(
     Request r's keys are ``req_to_token[req_pool_indices[r], :seq_lens[r]]`` (through
     ``translate_loc`` when the layer's buffer is a hybrid SWA pool's, see
     :func:`swa_translate_for`); its new rows are the last ``extend_seq_lens[r]`` positions.
-    ``sliding_window_size`` None or < 0: full attention. Writes ``output`` (cast to its dtype)
-    and returns it.
+    ``sliding_window_size`` None or < 0: full attention; ``chunk``: chunked local attention
+    (:func:`attend_with_sinks`). Writes ``output`` (cast to its dtype) and returns it.
     """
     window = (
         sliding_window_size
@@ -151,6 +159,8 @@ def extend_with_sinks(
             # keys this block can see: [k_lo, k_hi)
             k_hi = q_pos0 + b if causal else seq_len
             k_lo = max(0, q_pos0 + a - window) if (causal and window is not None) else 0
+            if causal and chunk is not None:
+                k_lo = max(k_lo, (q_pos0 + a) // chunk * chunk)
             locs = req_to_token[pool_idx, k_lo:k_hi]
             k = _gather(k_cache, locs, translate_loc)
             v = _gather(v_cache, locs, translate_loc)
@@ -164,6 +174,7 @@ def extend_with_sinks(
                 window=window,
                 scaling=scaling,
                 causal=causal,
+                chunk=chunk if causal else None,
             )
             output[start + a : start + b] = o.to(output.dtype)
         start += q_len
@@ -183,6 +194,7 @@ def decode_with_sinks(
     scaling: float,
     sliding_window_size: Optional[int] = None,
     translate_loc: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention with sinks: one query row per request, at position seq_lens[r] - 1.
 
@@ -198,6 +210,8 @@ def decode_with_sinks(
     for i, (pool_idx, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         pos = seq_len - 1
         k_lo = max(0, pos - window) if window is not None else 0
+        if chunk is not None:
+            k_lo = max(k_lo, pos // chunk * chunk)
         locs = req_to_token[pool_idx, k_lo:seq_len]
         o = attend_with_sinks(
             query[i : i + 1],
@@ -208,9 +222,19 @@ def decode_with_sinks(
             k_pos0=k_lo,
             window=window,
             scaling=scaling,
+            chunk=chunk,
         )
         output[i : i + 1] = o.to(output.dtype)
     return output
+
+
+def layer_chunk(backend, layer) -> Optional[int]:
+    """The chunk of Llama 4's chunked local attention for ``layer`` on ``backend``, or None: the
+    model's ``attention_chunk_size`` (``ModelRunner.attention_chunk_size``, which the backend
+    keeps, patch 0016) on its RoPE layers (``RadixAttention.use_irope``); its NoPE layers attend
+    globally."""
+    size = getattr(backend, "attention_chunk_size", None)
+    return size if size and getattr(layer, "use_irope", False) else None
 
 
 def _layer_window(layer) -> Optional[int]:
@@ -228,11 +252,14 @@ def _check_self_attention(layer, forward_batch) -> None:
         )
 
 
-def extend_for_layer(backend, q, o, layer, forward_batch, sinks: torch.Tensor, causal: bool):
+def extend_for_layer(
+    backend, q, o, layer, forward_batch, sinks: Optional[torch.Tensor], causal: bool, chunk=None
+):
     """``TorchNativeAttnBackend.forward_extend`` for a layer with sinks (patch
-    ``0011-gpt-oss-cpu``): :func:`extend_with_sinks` on the backend's pools.
+    ``0011-gpt-oss-cpu``) or with chunked local attention (patch 0016, :func:`layer_chunk`):
+    :func:`extend_with_sinks` on the backend's pools.
 
-    q [tokens, heads, qk_dim], o [tokens, heads, v_dim] (written), sinks [heads].
+    q [tokens, heads, qk_dim], o [tokens, heads, v_dim] (written), sinks [heads] or None.
 
     Raises:
         NotImplementedError: cross-attention or encoder offsets (no model with sinks has them).
@@ -253,14 +280,18 @@ def extend_for_layer(backend, q, o, layer, forward_batch, sinks: torch.Tensor, c
         causal=causal,
         sliding_window_size=_layer_window(layer) if causal else None,
         translate_loc=swa_translate_for(pool, layer.layer_id),
+        chunk=chunk,
     )
 
 
-def decode_for_layer(backend, q, o, layer, forward_batch, sinks: torch.Tensor):
+def decode_for_layer(
+    backend, q, o, layer, forward_batch, sinks: Optional[torch.Tensor], chunk=None
+):
     """``TorchNativeAttnBackend.forward_decode`` for a layer with sinks (patch
-    ``0011-gpt-oss-cpu``): :func:`decode_with_sinks` on the backend's pools.
+    ``0011-gpt-oss-cpu``) or chunked local attention (patch 0016): :func:`decode_with_sinks` on
+    the backend's pools.
 
-    q [batch, heads, qk_dim], o [batch, heads, v_dim] (written), sinks [heads].
+    q [batch, heads, qk_dim], o [batch, heads, v_dim] (written), sinks [heads] or None.
 
     Raises:
         NotImplementedError: cross-attention or encoder offsets.
@@ -279,4 +310,5 @@ def decode_for_layer(backend, q, o, layer, forward_batch, sinks: torch.Tensor):
         scaling=layer.scaling,
         sliding_window_size=_layer_window(layer),
         translate_loc=swa_translate_for(pool, layer.layer_id),
+        chunk=chunk,
     )
