@@ -11,7 +11,10 @@ each a server started with these environment variables:
   (libgomp's default);
 * ``executor``: the fork's MoE executor only (the branch point of issue 18);
 * ``linears``: ``base`` plus the decode linears on ``dense_linear_cpu`` (patch 0004);
-* ``fork``: everything on (executor, decode linears, ``OMP_WAIT_POLICY=PASSIVE``: serve.sh).
+* ``unfused``: ``fork`` with ``SGLANG_CPU_FUSED_NORM=0`` (RMSNorm, q/k norm and rotary as
+  upstream's torch ops: the fork before patch 0006);
+* ``fork``: everything on (executor, decode linears, fused norms, ``OMP_WAIT_POLICY=PASSIVE``:
+  serve.sh).
 
 Decode tok/s: one greedy stream of ``--new-tokens`` after a ``--prompt-len`` random prompt,
 tokens after the first / time from the first streamed chunk to the last; median of
@@ -63,11 +66,17 @@ BASE_ENV = {
     "SGLANG_CPU_MOE_BACKEND": "native",
     "SGLANG_CPU_DENSE_LINEAR_MAX_ROWS": "0",
     "OMP_WAIT_POLICY": "",
+    "SGLANG_CPU_FUSED_NORM": "0",
 }
 VARIANTS = {
     "base": BASE_ENV,
-    "executor": {"SGLANG_CPU_DENSE_LINEAR_MAX_ROWS": "0", "OMP_WAIT_POLICY": ""},
+    "executor": {
+        "SGLANG_CPU_DENSE_LINEAR_MAX_ROWS": "0",
+        "OMP_WAIT_POLICY": "",
+        "SGLANG_CPU_FUSED_NORM": "0",
+    },
     "linears": {**BASE_ENV, "SGLANG_CPU_DENSE_LINEAR_MAX_ROWS": "4"},
+    "unfused": {"SGLANG_CPU_FUSED_NORM": "0"},
     "fork": {},
 }
 # Small KV and state pools: the benchmark runs one request at a time.

@@ -3,6 +3,7 @@
 * the op against a float64 softmax reference: causal (bottom-right aligned, prefix 0 and long
   prefixes, rows not a multiple of the 64-row block, a single row), non-causal, GQA ratios
   1/2/4/8, head dims 64/128/256, keys not a multiple of the 64-key block;
+* ``kv_index`` (keys read from a KV pool in place) gives the gathered copy's result exactly;
 * results do not depend on the thread count (each output row is computed by one thread);
 * ``sdpa_extend_new_rows`` takes it for bf16 layers without a window (no ATen attention call
   made) and its result matches the ATen paths (``use_kernel=False``) on mixed batches;
@@ -88,6 +89,31 @@ def test_large_logits_and_strided_views():
     sgl_kernel_fork.extend_attention(q, k, v, out, prefix, 0.125, True)
     torch.testing.assert_close(out.double(), ref_attention(q, k, v, prefix, 0.125, True), **TOL)
     assert torch.isnan(big[:, 0]).all() and torch.isnan(big[:, -1]).all()  # nothing else written
+
+
+@needs_kernel
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("rows,causal", [(1, False), (7, True)])
+def test_kv_index_reads_the_pool_in_place(index_dtype, rows, causal):
+    """``kv_index``: k / v are a KV pool and key j is its row kv_index[j]; the result is the
+    one of the gathered copy, bit for bit (the same keys in the same order)."""
+    slots, keys, kv_heads, dim = 500, 150, 2, 128
+    pool_k = rand(slots, kv_heads, dim, seed=10)
+    pool_v = rand(slots, kv_heads, dim, seed=11)
+    g = torch.Generator().manual_seed(12)
+    idx = torch.randperm(slots, generator=g)[:keys].to(index_dtype)
+    q = rand(rows, 8, dim, seed=13)
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    q_pos0 = keys - rows
+    sgl_kernel_fork.extend_attention(
+        q, pool_k[idx.long()], pool_v[idx.long()], want, q_pos0, 0.1, causal
+    )
+    sgl_kernel_fork.extend_attention(q, pool_k, pool_v, got, q_pos0, 0.1, causal, kv_index=idx)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the 500 rows"):
+        bad = idx.clone()
+        bad[3] = slots
+        sgl_kernel_fork.extend_attention(q, pool_k, pool_v, got, q_pos0, 0.1, causal, kv_index=bad)
 
 
 @needs_kernel

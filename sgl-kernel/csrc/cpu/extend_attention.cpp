@@ -1,12 +1,15 @@
 // Extend (prefill) attention on the CPU: flash attention over bf16 queries, keys and values with
 // AVX-512 BF16 dot products (vdpbf16ps), fp32 softmax and accumulation.
 //
-//   extend_attention_cpu(q, k, v, out, q_pos0, scale, causal)
+//   extend_attention_cpu(q, k, v, out, q_pos0, scale, causal, kv_index=None)
 //
 // One request's new rows against all the keys they can see, the torch_native backend's extend
 // step (python/sglang/srt/layers/attention/torch_native_extend.py calls it). It replaces two
 // calls of ATen's CPU flash kernel plus their log-sum-exp merge, which run at ~25 GFLOP/s here:
 // the agent replays' long prefixes (100-176K tokens) spend most of their prefill in it.
+// With kv_index, k / v are a KV pool ([slots, kv_heads, dim]) and key j is its row kv_index[j]:
+// the decode step (torch_native_decode.py) reads a request's keys in place instead of gathering
+// them into new tensors first (two copies per layer and step, ~2 KB per key here).
 //
 // Algorithm: FlashAttention-2's online softmax (Dao, 2023, Algorithm 1), per (query head, block
 // of query rows), over key blocks of kKeyBlock keys. Keys and values are first repacked once per
@@ -81,9 +84,10 @@ namespace {
 inline uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
 
 // Repack one KV head's keys into [nblk][D/2][kKeyBlock] pairs and values into
-// [nblk][kKeyBlock/2][D] pairs; keys past `keys` are zero.
+// [nblk][kKeyBlock/2][D] pairs; keys past `keys` are zero. Key j is row j of k / v, or row idx[j]
+// when idx is given (the KV pool's slots of a request, read in place).
 void pack_kv_head(const uint16_t* k, const uint16_t* v, int64_t k_row_stride, int64_t v_row_stride, int64_t keys,
-                  int64_t d, int64_t blk, uint32_t* kp, uint32_t* vp) {
+                  int64_t d, int64_t blk, uint32_t* kp, uint32_t* vp, const int64_t* idx) {
   const int64_t j0 = blk * kKeyBlock;
   const int64_t n = std::min<int64_t>(kKeyBlock, keys - j0);
   uint32_t* kb = kp + blk * (d / 2) * kKeyBlock;
@@ -93,13 +97,14 @@ void pack_kv_head(const uint16_t* k, const uint16_t* v, int64_t k_row_stride, in
     std::memset(vb, 0, sizeof(uint32_t) * (kKeyBlock / 2) * d);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* kr = k + (j0 + j) * k_row_stride;
+    const uint16_t* kr = k + (idx != nullptr ? idx[j0 + j] : j0 + j) * k_row_stride;
     for (int64_t p = 0; p < d / 2; ++p) kb[p * kKeyBlock + j] = pair(kr[2 * p], kr[2 * p + 1]);
   }
   for (int64_t t = 0; t < (n + 1) / 2; ++t) {
-    const uint16_t* v0 = v + (j0 + 2 * t) * v_row_stride;
+    const int64_t j = j0 + 2 * t;
+    const uint16_t* v0 = v + (idx != nullptr ? idx[j] : j) * v_row_stride;
     const bool has1 = 2 * t + 1 < n;
-    const uint16_t* v1 = has1 ? v0 + v_row_stride : nullptr;
+    const uint16_t* v1 = has1 ? v + (idx != nullptr ? idx[j + 1] : j + 1) * v_row_stride : nullptr;
     for (int64_t c = 0; c < d; ++c) vb[t * d + c] = pair(v0[c], has1 ? v1[c] : uint16_t(0));
   }
 }
@@ -277,7 +282,7 @@ namespace {
 #endif  // x86-64 with GNU attributes
 
 void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                          int64_t q_pos0, double scale, bool causal) {
+                          int64_t q_pos0, double scale, bool causal, const c10::optional<at::Tensor>& kv_index) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
               "extend_attention_cpu: q / out [rows, heads, dim] and k / v [keys, kv_heads, dim] expected, got ",
               q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ", ", out.sizes());
@@ -288,9 +293,22 @@ void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
     TORCH_CHECK(t->stride(2) == 1, "extend_attention_cpu: the head dim must be contiguous");
   }
   const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t keys = k.size(0), hkv = k.size(1);
+  const bool indexed = kv_index.has_value() && kv_index->defined();
+  at::Tensor idx;
+  if (indexed) {
+    TORCH_CHECK(kv_index->device().is_cpu() && kv_index->dim() == 1 &&
+                    (kv_index->scalar_type() == at::kLong || kv_index->scalar_type() == at::kInt),
+                "extend_attention_cpu: kv_index must be a 1-D int32 / int64 CPU tensor, got ", kv_index->sizes(), " ",
+                kv_index->scalar_type());
+    idx = kv_index->to(at::kLong).contiguous();
+    const int64_t* p = idx.data_ptr<int64_t>();
+    for (int64_t j = 0; j < idx.numel(); ++j)
+      TORCH_CHECK(p[j] >= 0 && p[j] < k.size(0), "extend_attention_cpu: kv_index[", j, "] = ", p[j], " outside the ",
+                  k.size(0), " rows of k / v");
+  }
+  const int64_t keys = indexed ? idx.numel() : k.size(0), hkv = k.size(1);
   TORCH_CHECK(head_dim_supported(d), "extend_attention_cpu: head dim ", d, " is not supported (64, 128, 256)");
-  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == keys && v.size(1) == hkv,
+  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == k.size(0) && v.size(1) == hkv,
               "extend_attention_cpu: k and v must both be [keys, kv_heads, ", d, "], got ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(out.sizes() == q.sizes(), "extend_attention_cpu: out must be shaped as q ", q.sizes(), ", got ",
               out.sizes());
@@ -313,7 +331,8 @@ void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / nblk, b = i % nblk;
       pack_kv_head(kbase + h * k.stride(1), vbase + h * v.stride(1), k.stride(0), v.stride(0), keys, d, b,
-                   kp.get() + h * kv_head_words, vp.get() + h * kv_head_words);
+                   kp.get() + h * kv_head_words, vp.get() + h * kv_head_words,
+                   indexed ? idx.data_ptr<int64_t>() : nullptr);
     }
   });
   std::vector<ItemArgs> heads(static_cast<size_t>(hq));
@@ -353,8 +372,8 @@ bool extend_attention_cpu_supported(int64_t head_dim) { return cpu_has_avx512bf1
 
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def(
-      "extend_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int q_pos0, float scale, bool causal) -> "
-      "()");
+      "extend_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int q_pos0, float scale, bool causal, "
+      "Tensor? kv_index=None) -> ()");
   m.def("extend_attention_cpu_supported(int head_dim) -> bool", &sglk::extend_attention_cpu_supported);
 }
 

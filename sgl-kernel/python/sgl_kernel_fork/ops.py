@@ -491,6 +491,7 @@ def extend_attention(
     q_pos0: int,
     scale: float,
     causal: bool,
+    kv_index: Optional[torch.Tensor] = None,
 ) -> None:
     """``torch.ops.sgl_kernel.extend_attention_cpu``: one request's extend attention, in place.
 
@@ -498,18 +499,21 @@ def extend_attention(
         q: ``[rows, heads, dim]`` bfloat16, the new tokens' queries (head dim contiguous).
         k, v: ``[keys, kv_heads, dim]`` bfloat16, every key the rows can see, in position
             order (``heads`` a multiple of ``kv_heads``: query head h reads KV head
-            ``h // (heads // kv_heads)``, as ``repeat_interleave``).
+            ``h // (heads // kv_heads)``, as ``repeat_interleave``). With ``kv_index``: a KV
+            pool ``[slots, kv_heads, dim]`` (any slot stride), read in place.
         out: ``[rows, heads, dim]`` bfloat16, written.
         q_pos0: position of row 0; with ``causal`` row i sees keys ``[0, q_pos0 + i]``
             (bottom-right alignment, ``q_pos0 + rows <= keys``), without it every key.
         scale: softmax scale (``1 / sqrt(dim)`` usually).
+        kv_index: ``[keys]`` int32 / int64, key j's row of k / v (a request's
+            ``req_to_token`` slots), or None (key j is row j). Slots outside ``k``'s rows raise.
 
     FlashAttention-2's online softmax (Dao, 2023) with ``vdpbf16ps`` dot products, fp32
     softmax and accumulation, P rounded to bf16 before P V. Raises ``RuntimeError`` for other
     dtypes, shapes or head dims, or a CPU without AVX-512 BF16 (see
     :func:`extend_attention_supported`). Source: ``sgl-kernel/csrc/cpu/extend_attention.cpp``.
     """
-    _ops.extend_attention_cpu(q, k, v, out, q_pos0, scale, causal)
+    _ops.extend_attention_cpu(q, k, v, out, q_pos0, scale, causal, kv_index)
 
 
 def dense_linear_max_rows() -> int:
