@@ -105,7 +105,12 @@ class KVSim:
         self.elastic = ElasticKV(self.kv, self.alloc, self.rtp, self.cache, max_tokens=max_tokens)
         self.rows = rows
         self.context = context
-        self.running: List[Req] = []
+        self.running: List[Req] = []  # every request holding KV (the sim's own checks)
+        # The scheduler's view at a safe point (upstream's event loop): the requests admitted
+        # since the last merge are the last prefill batch, in neither ``running_batch`` nor
+        # ``chunked_req``; requests finished since then are still in ``running_batch``.
+        self.last_prefill: List[Req] = []
+        self.just_finished: List[Req] = []
         self.seqs: dict = {}  # rid -> the token sequence whose KV the request holds
         self.seen: List[list] = []  # sequences the tree was given (prompt + output)
         self._rid = itertools.count()
@@ -177,6 +182,7 @@ class KVSim:
         req.output_ids.append(5)
         checkpoint_kv_cache(req, self.cache)
         self.running.append(req)
+        self.last_prefill.append(req)
         self.seqs[req.rid] = list(prompt)
         return req
 
@@ -200,6 +206,18 @@ class KVSim:
         self.seen.append(list(self.seqs[req.rid]))
         release_kv_cache(req, self.cache, checkpoint=True)
         self.running.remove(req)
+        if req in self.last_prefill:
+            self.last_prefill.remove(req)
+        self.just_finished.append(req)
+
+    def merge_last_batch(self) -> None:
+        """``get_next_batch_to_run``: the last prefill batch joins the running batch and the
+        finished requests leave it."""
+        self.last_prefill.clear()
+        self.just_finished.clear()
+
+    def scheduler(self, **fields) -> "SchedulerStandIn":
+        return SchedulerStandIn(self, **fields)
 
     def evict(self, n: int) -> None:
         self.cache.evict(EvictParams(num_tokens=n))
@@ -242,3 +260,43 @@ class KVSim:
 
     def tree_tokens(self) -> int:
         return int(self.cache.tree_core.all_values_flatten().numel())
+
+
+class SchedulerStandIn:
+    """The scheduler's attributes the ``/rebalance_memory`` handler reads, over a
+    :class:`KVSim`, as ``ingest_requests`` sees them: ``running_batch.reqs`` (the merged
+    requests and those finished in the last step), ``last_batch`` (the last prefill batch,
+    ``ForwardMode.EXTEND``, not merged yet; None when nothing was admitted since the last
+    merge) and ``chunked_req``."""
+
+    def __init__(self, sim: KVSim, **fields) -> None:
+        from types import SimpleNamespace
+
+        self.sim = sim
+        self.token_to_kv_pool_allocator = sim.alloc
+        self.req_to_token_pool = sim.rtp
+        self.tree_cache = sim.cache
+        self.chunked_req = None
+        self.enable_overlap = False
+        self.max_total_num_tokens = sim.elastic.size
+        self.invariant_checker = SimpleNamespace(max_total_num_tokens=sim.elastic.size)
+        self._elastic_kv = sim.elastic  # the server: SGLANG_ELASTIC_KV_MAX_TOKENS
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    @property
+    def running_batch(self):
+        from types import SimpleNamespace
+
+        merged = [r for r in self.sim.running if r not in self.sim.last_prefill]
+        return SimpleNamespace(reqs=merged + list(self.sim.just_finished))
+
+    @property
+    def last_batch(self):
+        from types import SimpleNamespace
+
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if not self.sim.last_prefill:
+            return None
+        return SimpleNamespace(reqs=list(self.sim.last_prefill), forward_mode=ForwardMode.EXTEND)

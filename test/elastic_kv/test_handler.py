@@ -7,7 +7,6 @@ copies of the pool size follow."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 from kv_sim import KVSim
@@ -29,23 +28,63 @@ def handled(monkeypatch):
         sim.admit(_prompt(rng))
     for r in list(sim.running)[::2]:
         sim.finish(r)
-    sched = SimpleNamespace(
-        token_to_kv_pool_allocator=sim.alloc,
-        req_to_token_pool=sim.rtp,
-        tree_cache=sim.cache,
-        running_batch=SimpleNamespace(reqs=sim.running),
-        chunked_req=None,
-        enable_overlap=False,
-        max_total_num_tokens=96,
-        invariant_checker=SimpleNamespace(max_total_num_tokens=96),
-        _elastic_kv=sim.elastic,  # reserved for 128 tokens (the server: SGLANG_ELASTIC_KV_MAX_TOKENS)
-    )
+    sched = sim.scheduler()  # the 12 admitted requests are the last prefill batch
 
     def handle(**fields):
         return handle_rebalance_memory(sched, RebalanceMemoryReqInput(**fields))
 
     handle.sim, handle.sched = sim, sched
     return handle
+
+
+def _handler(sim):
+    from sglang.srt.managers.io_struct import RebalanceMemoryReqInput
+    from sglang.srt.managers.memory_rebalance import handle_rebalance_memory
+
+    sched = sim.scheduler()
+    return sched, lambda **f: handle_rebalance_memory(sched, RebalanceMemoryReqInput(**f))
+
+
+def _run_to_completion(sim, rng) -> None:
+    """Every running request decodes to its ``max_new_tokens`` (8); a decode without KV pages
+    is what upstream answers with a retraction."""
+    sim.merge_last_batch()
+    for req in list(sim.running):
+        while len(req.output_ids) < req.sampling_params.max_new_tokens:
+            assert sim.decode(req, rng.randint(20, 60)), f"{req.rid} would be retracted"
+        sim.finish(req)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_floor_counts_the_last_prefill_batch(monkeypatch, page_size):
+    """Requests prefilled in the previous iteration (``last_batch``, not merged into the running
+    batch yet) and requests finished in it (still in ``running_batch``): the floor reserves the
+    former's remaining output and nothing for the latter; a shrink to the floor retracts
+    nobody and leaks no page (with pages of 4, a request's partly filled last page is its own,
+    not the tree's)."""
+    from sglang.srt.layers.moe.expert_cache import method
+
+    monkeypatch.setattr(method, "_CACHE", None)
+    sim = KVSim(kv_tokens=256, max_tokens=256, page_size=page_size, rows=12)
+    rng = random.Random(7)
+    for _ in range(4):
+        sim.admit(_prompt(rng))
+    sim.merge_last_batch()
+    for req in list(sim.running)[:2]:
+        sim.decode(req, 30)
+    sim.finish(sim.running[0])  # finished in the last step: still in running_batch
+    for _ in range(5):
+        assert sim.admit(_prompt(rng)) is not None  # the last prefill batch
+    sched, handle = _handler(sim)
+    assert sched.last_batch is not None and len(sched.last_batch.reqs) == 5
+    floor = handle().split["kv"]["kv_floor_tokens"]
+    if page_size == 1:
+        assert floor == sim.elastic.floor() + sum(8 - len(r.output_ids) for r in sim.running)
+    got = handle(kv_tokens=floor)
+    assert got.status_code == 200, got.message
+    assert sim.elastic.size == floor and sim.accounting() == []
+    _run_to_completion(sim, rng)
+    assert sim.accounting() == [] and sim.kv_problems() == []
 
 
 def test_kv_tokens_shrink_and_grow(handled):

@@ -48,21 +48,45 @@ def elastic_kv_of(scheduler) -> Tuple[Optional[ElasticKV], str]:
 
 
 def kv_holders(scheduler) -> List:
-    """Requests that hold KV outside the tree at a safe point: the running batch and the
-    chunked prefill."""
-    reqs = list(getattr(scheduler.running_batch, "reqs", None) or [])
-    chunked = getattr(scheduler, "chunked_req", None)
-    if chunked is not None and chunked not in reqs:
-        reqs.append(chunked)
+    """Requests that hold KV outside the tree at a safe point (each once): the running batch,
+    the last prefill batch and the chunked prefill.
+
+    The safe point is ``ingest_requests``, before ``get_next_batch_to_run`` merges the last
+    batch into the running one (upstream ``scheduler.py``, ``event_loop_normal``): when that
+    batch was a prefill (``forward_mode.is_extend()``), its requests are in neither
+    ``running_batch.reqs`` nor ``chunked_req`` yet. Requests without a ``req_to_token`` row
+    (finished and released, or retracted) hold no KV and are left out."""
+    reqs: List = []
+    seen = set()
+
+    def add(req) -> None:
+        if req is None or id(req) in seen:
+            return
+        seen.add(id(req))
+        kv = getattr(req, "kv", None)
+        if kv is not None and kv.req_pool_idx is not None:
+            reqs.append(req)
+
+    for req in getattr(scheduler.running_batch, "reqs", None) or []:
+        add(req)
+    last = getattr(scheduler, "last_batch", None)
+    mode = getattr(last, "forward_mode", None)
+    if last is not None and mode is not None and mode.is_extend():
+        for req in getattr(last, "reqs", None) or []:
+            add(req)
+    add(getattr(scheduler, "chunked_req", None))
     return reqs
 
 
 def reserve_tokens(scheduler) -> int:
     """KV tokens the running requests may still need: each one's remaining ``max_new_tokens``
     plus a chunked prefill's unprefilled input. A shrink keeps them, so no running request is
-    retracted for lack of KV pages because of it."""
+    retracted for lack of KV pages because of it. Finished requests (their KV is released at
+    the end of the step that finished them, or goes to the tree) need none."""
     total = 0
     for req in kv_holders(scheduler):
+        if req.finished():
+            continue
         max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
         total += max(0, int(max_new) - len(req.output_ids))
         total += max(0, len(req.origin_input_ids) - int(req.kv.kv_allocated_len))
