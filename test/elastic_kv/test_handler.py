@@ -201,3 +201,59 @@ def test_second_part_fails_first_undone(handled_with_cache, monkeypatch):
     for _ in range(10):  # and the pools serve on
         sim.admit(_prompt(random.Random(_)))
     assert sim.accounting() == [] and sim.kv_problems() == []
+
+
+def test_reserve_rounds_pages_per_request(monkeypatch):
+    """Pages of 4, three requests whose last page is full and that need one more token each:
+    three new pages (12 tokens), not 3 tokens rounded to one page; a shrink to the floor then
+    lets all three finish."""
+    from sglang.srt.layers.moe.expert_cache import method
+    from sglang.srt.mem_cache.elastic_kv.scheduler_glue import reserve_tokens
+
+    monkeypatch.setattr(method, "_CACHE", None)
+    sim = KVSim(kv_tokens=128, max_tokens=128, page_size=4)
+    rng = random.Random(3)
+    for prompt in ([21, 22], [23, 24], [25, 26]):
+        sim.admit(prompt)
+    sim.merge_last_batch()
+    for req in sim.running:  # 7 of 8 tokens out: KV at positions 0..7, two full pages
+        while len(req.output_ids) < 7:
+            assert sim.decode(req, rng.randint(20, 60))
+        assert req.kv.kv_allocated_len == 8
+    sched, handle = _handler(sim)
+    assert reserve_tokens(sched) == 3 * 4
+    floor = handle().split["kv"]["kv_floor_tokens"]
+    assert floor == sim.elastic.floor() + 12
+    assert handle(kv_tokens=floor).status_code == 200
+    _run_to_completion(sim, rng)
+    assert sim.accounting() == [] and sim.kv_problems() == []
+
+
+def test_reserve_counts_a_resumed_request_from_its_fill_ids():
+    """A chunked prefill of a retracted request re-prefills ``origin_input_ids + output_ids``
+    and then decodes to ``max_new_tokens``; a fresh one the prompt alone."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.elastic_kv.scheduler_glue import remaining_tokens, reserve_tokens
+
+    def req(outputs, allocated):
+        return SimpleNamespace(
+            origin_input_ids=[1] * 10,
+            output_ids=[2] * outputs,
+            sampling_params=SimpleNamespace(max_new_tokens=8),
+            kv=SimpleNamespace(req_pool_idx=0, kv_allocated_len=allocated),
+            finished=lambda: False,
+        )
+
+    resumed, fresh = req(5, 8), req(0, 8)
+    # both end at 10 + 8 - 1 = 17 positions: the resumed one has 9 to go, 5 + 2 before
+    assert remaining_tokens(resumed) == 9 and remaining_tokens(fresh) == 9
+    assert remaining_tokens(req(1, 10)) == 7  # just prefilled: 7 decodes to go
+    assert remaining_tokens(req(7, 16)) == 1
+    sched = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=1),
+        running_batch=SimpleNamespace(reqs=[]),
+        last_batch=None,
+        chunked_req=resumed,
+    )
+    assert reserve_tokens(sched) == 9

@@ -78,19 +78,34 @@ def kv_holders(scheduler) -> List:
     return reqs
 
 
+def remaining_tokens(req) -> int:
+    """KV tokens ``req`` may still write: up to ``len(origin_input_ids) + max_new_tokens - 1``
+    positions in all (the prefill writes the prompt and samples the first token; each decode
+    writes the previous token's KV and samples the next; the last token's KV is never written),
+    and at least its ``fill_ids`` (``origin_input_ids + output_ids``: what a retracted
+    request's re-prefill writes), less the ``kv_allocated_len`` it holds."""
+    max_new = int(getattr(req.sampling_params, "max_new_tokens", None) or 0)
+    fill = len(req.origin_input_ids) + len(req.output_ids)
+    total = max(fill, len(req.origin_input_ids) + max_new - 1)
+    return max(0, total - int(req.kv.kv_allocated_len))
+
+
 def reserve_tokens(scheduler) -> int:
-    """KV tokens the running requests may still need: each one's remaining ``max_new_tokens``
-    plus a chunked prefill's unprefilled input. A shrink keeps them, so no running request is
-    retracted for lack of KV pages because of it. Finished requests (their KV is released at
-    the end of the step that finished them, or goes to the tree) need none."""
-    total = 0
+    """KV tokens the running requests may still need (:func:`remaining_tokens` of each),
+    rounded to pages per request: a request allocates whole pages past the ones it holds,
+    ``ceil((allocated + remaining) / page_size) - ceil(allocated / page_size)``. A shrink keeps
+    them, so no running request is retracted for lack of KV pages because of it. Finished
+    requests (their KV is released at the end of the step that finished them, or goes to the
+    tree) need none."""
+    ps = int(getattr(scheduler.token_to_kv_pool_allocator, "page_size", 1) or 1)
+    pages = 0
     for req in kv_holders(scheduler):
         if req.finished():
             continue
-        max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
-        total += max(0, int(max_new) - len(req.output_ids))
-        total += max(0, len(req.origin_input_ids) - int(req.kv.kv_allocated_len))
-    return total
+        alloc = int(req.kv.kv_allocated_len)
+        rem = remaining_tokens(req)
+        pages += -(-(alloc + rem) // ps) - -(-alloc // ps)
+    return pages * ps
 
 
 def publish_size(scheduler, tokens: int) -> None:
