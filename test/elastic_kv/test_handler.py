@@ -257,3 +257,23 @@ def test_reserve_counts_a_resumed_request_from_its_fill_ids():
         chunked_req=resumed,
     )
     assert reserve_tokens(sched) == 9
+
+
+def test_failure_past_the_point_of_no_return_answers_500_and_publishes(handled, monkeypatch):
+    """The tail's memory cannot be released after the pages moved: a 500 that says the pool
+    is at its new size (not "back at" the old one), and the scheduler's copies follow it."""
+    sim, sched = handled.sim, handled.sched
+    sim.elastic.reserve()
+
+    def broken(rows):
+        raise OSError("injected: madvise failed")
+
+    monkeypatch.setattr(sim.elastic.backing, "release", broken)
+    floor = handled().split["kv"]["kv_floor_tokens"]
+    got = handled(kv_tokens=floor)
+    assert got.status_code == 500, got.message
+    assert "past the point of no return" in got.message and "back at" not in got.message
+    assert f"the pool is at {floor} tokens" in got.message and "madvise failed" in got.message
+    assert sim.elastic.size == floor == sched.max_total_num_tokens
+    assert sched.invariant_checker.max_total_num_tokens == floor
+    assert sim.accounting() == [] and sim.kv_problems() == []

@@ -230,3 +230,29 @@ def test_shrink_releases_memory():
     backing.commit(9, 65)
     assert backing.resident_bytes() == 4 * 65 * row
     assert float(backing.k[0].full[64].abs().sum()) == 0  # released rows come back as zeros
+
+
+@pytest.mark.parametrize("where", ["remap", "release"])
+def test_failure_past_the_point_of_no_return_is_reported_not_raised(where, monkeypatch):
+    """A failure after the rewrite (another copy's remap, releasing the tail's memory) cannot
+    be rolled back: the resize does not raise (nor claim the pool is back at its old size),
+    the pool is at the new size, the failure is in ``errors``."""
+    sim = _busy_sim(1, "rust", seed=2)
+    el = sim.elastic
+    el.reserve()
+    target = el.floor()
+
+    def broken(*args):
+        raise OSError(f"injected at {where}")
+
+    if where == "remap":
+        el.extra_remaps.append(broken)
+    else:
+        monkeypatch.setattr(el.backing, "release", broken)
+    out = el.resize(target)
+    assert el.size == out["kv_tokens"] == target
+    assert len(out["errors"]) == 1 and f"injected at {where}" in out["errors"][0]
+    assert el.resize_failures == 1
+    if where == "release":
+        assert out["released_bytes"] == 0
+    assert sim.accounting() == [] and sim.kv_problems() == []

@@ -225,7 +225,10 @@ def handle_rebalance_memory(scheduler, req):
         ``released_bytes`` (slots and KV), ``time_ms``, ``dry_run`` and ``kv_resize`` (the KV
         step's figures); 400 for a target refused (the message names the floor or the largest
         feasible target, or says what does not resize); 500 when a resize failed and rolled
-        back, or when the KV accounting check after it found a problem.
+        back, when a KV resize failed past its point of no return (not rolled back: the
+        message says so and gives the size the pool is at), or when the KV accounting check
+        after it found a problem. The scheduler's copies of the pool size always follow the
+        pool (``publish_size`` runs whatever the resize did).
     """
     from sglang.srt.layers.moe.expert_cache.method import get_expert_slot_cache
     from sglang.srt.layers.moe.expert_cache.rebalance import (
@@ -313,8 +316,10 @@ def handle_rebalance_memory(scheduler, req):
         if kind == "slots":
             r = rebalance(cache, str(target))
             return r["released_bytes"], r
-        r = el.resize(target, reserve_tokens=reserve)
-        publish_size(scheduler, el.size)
+        try:
+            r = el.resize(target, reserve_tokens=reserve)
+        finally:  # the scheduler's copies follow the pool, whatever happened
+            publish_size(scheduler, el.size)
         return r["released_bytes"], r
 
     try:
@@ -343,12 +348,17 @@ def handle_rebalance_memory(scheduler, req):
     extra["time_ms"] = (time.perf_counter() - t0) * 1e3
     if el is not None:
         problems = check_accounting(scheduler, el)
-        if problems:
-            return reply(
-                HTTPStatus.INTERNAL_SERVER_ERROR,
-                "KV accounting after the rebalance: " + "; ".join(problems),
-                extra,
-            )
+        errors = (extra.get("kv_resize") or {}).get("errors") or []
+        if errors or problems:
+            msg = []
+            if errors:  # not rolled back: the pool is at its new size
+                msg.append(
+                    f"the KV resize to {el.size} tokens failed past the point of no return "
+                    f"(the pool is at {el.size} tokens, not rolled back): " + "; ".join(errors)
+                )
+            if problems:
+                msg.append("KV accounting after the rebalance: " + "; ".join(problems))
+            return reply(HTTPStatus.INTERNAL_SERVER_ERROR, "; ".join(msg), extra)
     logger.info(
         "rebalance_memory: %s in %.1f ms",
         ", ".join(f"{k} {o} -> {t}" for k, t, o in done) or "no change",

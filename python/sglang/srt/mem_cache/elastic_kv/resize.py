@@ -23,6 +23,10 @@ Shrink to ``new_size`` tokens (a page multiple), in this order:
    sizes change; the buffers become views of the leading rows and the tail's memory is
    released (:class:`.backing.HostKVBacking`).
 
+Nothing after the point of no return raises: each of steps 4 and 5 runs whatever the ones
+before it did, and what failed is logged and returned in ``errors`` (the pool is at the new
+size; the caller's accounting check says whether the indices are consistent).
+
 Grow to ``new_size``: commit the new rows' memory first (a failure there releases them and
 raises :class:`KVResizeFailed`, the pool unchanged), then append the new pages to the free list.
 
@@ -33,6 +37,7 @@ pages hold the same bytes).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -41,6 +46,8 @@ import torch
 
 from sglang.srt.mem_cache.elastic_kv import tree_values
 from sglang.srt.mem_cache.elastic_kv.backing import CommitFailed, HostKVBacking
+
+logger = logging.getLogger(__name__)
 
 
 class KVResizeRefused(ValueError):
@@ -279,7 +286,9 @@ class ElasticKV:
 
         Returns:
             ``{"previous_tokens", "kv_tokens", "moved_pages", "evicted_tokens",
-            "released_bytes", "committed_bytes", "time_ms", "dry_run"}``.
+            "released_bytes", "committed_bytes", "time_ms", "dry_run", "errors"}``;
+            ``errors``: what failed after the point of no return (logged; the pool is at
+            ``kv_tokens`` all the same), empty when nothing did.
 
         Raises:
             KVResizeRefused: the target is refused (:meth:`plan`); nothing changed.
@@ -299,6 +308,7 @@ class ElasticKV:
             released_bytes=0,
             committed_bytes=0,
             dry_run=dry_run,
+            errors=[],
         )
         if dry_run or plan.new_size == plan.old_size:
             out["time_ms"] = (time.perf_counter() - t0) * 1e3
@@ -306,9 +316,9 @@ class ElasticKV:
         try:
             self.reserve()
             if plan.new_size > plan.old_size:
-                out["committed_bytes"] = self._grow(plan.new_size, step)
+                out["committed_bytes"] = self._grow(plan.new_size, step, out["errors"])
             else:
-                moved, evicted, released = self._shrink(plan, step)
+                moved, evicted, released = self._shrink(plan, step, out["errors"])
                 out.update(moved_pages=moved, evicted_tokens=evicted, released_bytes=released)
         except (KVResizeRefused, KVResizeFailed):
             self.resize_failures += 1
@@ -320,10 +330,22 @@ class ElasticKV:
                 f"({type(e).__name__}: {e}); it is back at {self.size} tokens and keeps serving"
             ) from e
         self.resizes += 1
+        if out["errors"]:
+            self.resize_failures += 1
         self.last_resize_ms = out["time_ms"] = (time.perf_counter() - t0) * 1e3
         return out
 
-    def _grow(self, new_size: int, step) -> int:
+    def _past_no_return(self, errors: List[str], what: str, fn: Callable[[], object]):
+        """``fn()``, past the point of no return: an exception is logged and appended to
+        ``errors``, never raised (None is returned)."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - the pool has changed: go on, report it
+            logger.exception("elastic KV: %s failed after the point of no return", what)
+            errors.append(f"{what}: {type(e).__name__}: {e}")
+            return None
+
+    def _grow(self, new_size: int, step, errors: List[str]) -> int:
         old = self.size
         ps = self.page_size
         step("commit")
@@ -336,16 +358,18 @@ class ElasticKV:
             ) from e
         try:
             step("extend")
+            free = self._free_pages()
+            new = torch.arange(old // ps + 1, new_size // ps + 1, dtype=torch.int64)
+            free = torch.cat([free, new])
         except Exception:
             self.backing.release(old + ps)
             raise
-        free = self._free_pages()
-        new = torch.arange(old // ps + 1, new_size // ps + 1, dtype=torch.int64)
-        self._set_free_pages(torch.cat([free, new]))
-        self._set_size(new_size)
+        # -- point of no return --
+        self._past_no_return(errors, "the free list", lambda: self._set_free_pages(free))
+        self._past_no_return(errors, "the pool size", lambda: self._set_size(new_size))
         return (new_size - old) * self.token_bytes
 
-    def _shrink(self, plan: KVPlan, step):
+    def _shrink(self, plan: KVPlan, step, errors: List[str]):
         new_pages = plan.new_size // self.page_size
         evicted = 0
         if plan.evict_tokens:
@@ -375,15 +399,20 @@ class ElasticKV:
         remap = torch.arange(rows, dtype=torch.int64)
         remap[src_tok] = dst_tok
         step("rewrite")  # the last step that may fail: nothing observable changed yet
-        # -- point of no return --
-        self._rewrite_rows(remap)
-        tree_values.rewrite(nodes, remap)
+        # -- point of no return: nothing below raises (_past_no_return) --
+        ok = self._past_no_return
+        ok(errors, "rewriting req_to_token", lambda: self._rewrite_rows(remap))
+        ok(errors, "rewriting the tree's values", lambda: tree_values.rewrite(nodes, remap))
         for fn in self.extra_remaps:
-            fn(remap)
-        self._set_free_pages(rest)
-        self._set_size(plan.new_size)
-        released = self.backing.release(plan.new_size + self.page_size)
-        return len(src), evicted, released
+            ok(errors, f"the remap {getattr(fn, '__name__', fn)!r}", lambda fn=fn: fn(remap))
+        ok(errors, "the free list", lambda: self._set_free_pages(rest))
+        ok(errors, "the pool size", lambda: self._set_size(plan.new_size))
+        released = ok(
+            errors,
+            "releasing the tail's memory",
+            lambda: self.backing.release(plan.new_size + self.page_size),
+        )
+        return len(src), evicted, released or 0
 
     def _rewrite_rows(self, remap: torch.Tensor) -> None:
         """``req_to_token[r] = remap[req_to_token[r]]`` for every row, a row at a time: a row
