@@ -277,3 +277,39 @@ def test_failure_past_the_point_of_no_return_answers_500_and_publishes(handled, 
     assert sim.elastic.size == floor == sched.max_total_num_tokens
     assert sched.invariant_checker.max_total_num_tokens == floor
     assert sim.accounting() == [] and sim.kv_problems() == []
+
+
+def test_unexpected_slot_failure_undoes_the_kv_step(handled_with_cache, monkeypatch):
+    """A KV shrink, then a slot rebalance raising something unforeseen (a bug): a 500 naming
+    it, and the KV shrink undone."""
+    from sglang.srt.layers.moe.expert_cache import rebalance as slot_rebalance
+
+    h, sim, cache = handled_with_cache, handled_with_cache.sim, handled_with_cache.cache
+    slots_before = cache.num_slots
+
+    def buggy(cache, spec, **kw):
+        raise ZeroDivisionError("injected bug")
+
+    monkeypatch.setattr(slot_rebalance, "rebalance", buggy)
+    floor = h().split["kv"]["kv_floor_tokens"]
+    got = h(kv_tokens=floor, expert_cache_size="100%")
+    assert got.status_code == 500 and "ZeroDivisionError: injected bug" in got.message
+    assert "undone: kv back at 96" in got.message, got.message
+    assert sim.elastic.size == 96 == h.sched.max_total_num_tokens
+    assert cache.num_slots == slots_before
+    assert sim.accounting() == [] and sim.kv_problems() == []
+
+
+def test_accounting_check_failing_answers_500(handled, monkeypatch):
+    """The check after a resize raising (a bug) is a 500 with the reason, not an exception
+    out of the handler (which would end the scheduler)."""
+    from sglang.srt.mem_cache.elastic_kv import scheduler_glue
+
+    def buggy(el, reqs):
+        raise IndexError("injected bug in the check")
+
+    monkeypatch.setattr(scheduler_glue, "kv_accounting_problems", buggy)
+    floor = handled().split["kv"]["kv_floor_tokens"]
+    got = handled(kv_tokens=floor)
+    assert got.status_code == 500 and "IndexError: injected bug in the check" in got.message
+    assert handled.sim.elastic.size == floor == handled.sched.max_total_num_tokens

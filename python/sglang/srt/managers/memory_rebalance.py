@@ -329,7 +329,12 @@ def handle_rebalance_memory(scheduler, req):
             if kind == "kv":
                 extra["kv_resize"] = r
             done.append((kind, target, old))
-    except (RebalanceFailed, KVResizeFailed, KVResizeRefused, RebalanceRefused) as e:
+    except Exception as e:  # noqa: BLE001 - undo the steps done; a bug must not end the scheduler
+        known = isinstance(e, (RebalanceFailed, KVResizeFailed, KVResizeRefused, RebalanceRefused))
+        if known:
+            logger.error("rebalance_memory: %s", e)
+        else:
+            logger.exception("rebalance_memory failed")
         undo = []
         for kind, _, old in reversed(done):
             try:
@@ -338,16 +343,18 @@ def handle_rebalance_memory(scheduler, req):
             except Exception as e2:  # noqa: BLE001
                 logger.error("rebalance_memory: undoing the %s step failed: %s", kind, e2)
                 undo.append(f"{kind} could not go back to {old} ({e2})")
-        logger.error("rebalance_memory: %s", e)
-        msg = str(e) + (f"; undone: {', '.join(undo)}" if undo else "")
+        msg = (str(e) if known else f"{type(e).__name__}: {e}") + (
+            f"; undone: {', '.join(undo)}" if undo else ""
+        )
         refused = isinstance(e, (KVResizeRefused, RebalanceRefused))
         return reply(HTTPStatus.BAD_REQUEST if refused else HTTPStatus.INTERNAL_SERVER_ERROR, msg)
-    except Exception as e:  # noqa: BLE001 - a bug must not end the scheduler
-        logger.exception("rebalance_memory failed")
-        return reply(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
     extra["time_ms"] = (time.perf_counter() - t0) * 1e3
     if el is not None:
-        problems = check_accounting(scheduler, el)
+        try:
+            problems = check_accounting(scheduler, el)
+        except Exception as e:  # noqa: BLE001 - the handler must never raise
+            logger.exception("rebalance_memory: the KV accounting check failed")
+            problems = [f"the check itself failed ({type(e).__name__}: {e})"]
         errors = (extra.get("kv_resize") or {}).get("errors") or []
         if errors or problems:
             msg = []
