@@ -128,6 +128,10 @@ def test_what_reaches_the_scheduler(client):
         (b'{"device_memory_budget": "1GB", "kv_share": 1.5}', "kv_share must be a number in"),
         (b'{"kv_tokens": -3}', "kv_tokens must be a positive integer"),
         (b'{"kv_tokens": true}', "kv_tokens must be a positive integer"),
+        (b'{"kv_tokens": 9223372036854775808}', "kv_tokens must be at most 9223372036854775807"),
+        (b'{"kv_tokens": "99999999999999999999"}', "kv_tokens must be at most"),
+        (b'{"device_memory_budget": "99999999999999999999GB"}', "device_memory_budget must be at"),
+        (b'{"device_memory_budget": 9223372036854775808}', "device_memory_budget must be at"),
         (b'{"expert_cache_size": "lots"}', "expert_cache_size must be auto, a slot count"),
         (b'{"expert_cache_size": "150%"}', "percentage must be in (0, 100]"),
         (b'{"expert_cache_size": true}', "must be a string or an integer"),
@@ -152,3 +156,16 @@ def test_the_schedulers_status_is_the_answer(client):
     r = client(reply=refused).post("/rebalance_memory", json={"expert_cache_size": "1"})
     assert r.status_code == 400
     assert r.json()["message"].endswith("8 slots") and r.json()["expert_cache"]["slots"] == 32
+
+
+def test_the_largest_integers_travel_to_the_scheduler():
+    """2^63 - 1 is accepted and survives the msgspec encoding the scheduler request takes."""
+    import msgspec
+
+    from sglang.srt.managers.io_struct import RebalanceMemoryReqInput
+    from sglang.srt.managers.memory_rebalance import MAX_INT, request_from_body
+
+    for body in ({"kv_tokens": MAX_INT}, {"device_memory_budget": str(MAX_INT)}):
+        req = request_from_body(body)
+        back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=RebalanceMemoryReqInput)
+        assert back == req

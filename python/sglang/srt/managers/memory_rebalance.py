@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 # Body fields of POST /rebalance_memory: the targets and the options.
 TARGETS = ("expert_cache_size", "kv_tokens", "device_memory_budget")
 OPTIONS = ("kv_share", "dry_run")
+# The largest integer a field may take: the request travels to the scheduler as msgspec,
+# whose integers are 64-bit (a larger one raised OverflowError there, an HTTP 500).
+MAX_INT = (1 << 63) - 1
 
 
 def _parse_bytes(value: Any) -> int:
@@ -62,6 +65,10 @@ def _parse_bytes(value: Any) -> int:
         n = size.bytes
     if n <= 0:
         raise ValueError(f"device_memory_budget must be positive; got {value!r}")
+    if n > MAX_INT:
+        raise ValueError(
+            f"device_memory_budget must be at most {MAX_INT} bytes (2^63 - 1); got {value!r}"
+        )
     return n
 
 
@@ -80,7 +87,8 @@ def request_from_body(body: Any):
 
     Raises:
         ValueError: not an object, unknown fields, no target, a budget with another target,
-            ``kv_share`` without a budget, a malformed size; the message says what to send.
+            ``kv_share`` without a budget, a malformed size, an integer above 2^63 - 1 (msgspec
+            carries 64-bit integers); the message says what to send.
     """
     from sglang.srt.layers.moe.expert_cache.config import CacheSize
     from sglang.srt.managers.io_struct import RebalanceMemoryReqInput
@@ -121,6 +129,8 @@ def request_from_body(body: Any):
             n = int(n)
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"kv_tokens must be a positive integer (tokens); got {n!r}")
+        if n > MAX_INT:
+            raise ValueError(f"kv_tokens must be at most {MAX_INT} (2^63 - 1); got {n!r}")
         fields["kv_tokens"] = n
     if "device_memory_budget" in targets:
         fields["device_memory_budget"] = _parse_bytes(body["device_memory_budget"])
