@@ -313,3 +313,50 @@ def test_accounting_check_failing_answers_500(handled, monkeypatch):
     got = handled(kv_tokens=floor)
     assert got.status_code == 500 and "IndexError: injected bug in the check" in got.message
     assert handled.sim.elastic.size == floor == handled.sched.max_total_num_tokens
+
+
+def test_request_limits_follow_the_pool(monkeypatch):
+    """``max_req_len`` / ``max_req_input_len`` are republished on each resize (upstream's
+    ``min(context_len - 1, pool - 1)`` and 5 less), so after a shrink upstream's own check
+    refuses a new prompt that no longer fits the pool, and a grow lifts the limit again (up to
+    the context length)."""
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.expert_cache import method
+    from sglang.srt.managers.io_struct import RebalanceMemoryReqInput
+    from sglang.srt.managers.memory_rebalance import handle_rebalance_memory
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.utils import validate_input_length
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    monkeypatch.setattr(method, "_CACHE", None)
+    sim = KVSim(kv_tokens=96, max_tokens=256, page_size=4)
+    rng = random.Random(5)
+    for _ in range(3):
+        sim.admit(_prompt(rng))
+    sched = sim.scheduler(
+        max_req_len=95, max_req_input_len=90, model_config=SimpleNamespace(context_len=200)
+    )
+
+    def handle(**f):
+        return handle_rebalance_memory(sched, RebalanceMemoryReqInput(**f))
+
+    def refused(n_tokens):
+        req = Req(
+            rid="long",
+            origin_input_text="",
+            origin_input_ids=array("q", [7] * n_tokens),
+            sampling_params=SamplingParams(max_new_tokens=8),
+        )
+        return validate_input_length(req, sched.max_req_input_len, False)
+
+    assert refused(80) is None
+    floor = handle().split["kv"]["kv_floor_tokens"]
+    assert floor < 80
+    assert handle(kv_tokens=floor).status_code == 200
+    assert (sched.max_req_len, sched.max_req_input_len) == (floor - 1, floor - 6)
+    assert "exceeds the maximum allowed length" in refused(80)
+    assert handle(kv_tokens=256).status_code == 200
+    assert (sched.max_req_len, sched.max_req_input_len) == (199, 194)  # the context length
+    assert refused(190) is None

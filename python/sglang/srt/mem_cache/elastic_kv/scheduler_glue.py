@@ -108,15 +108,46 @@ def reserve_tokens(scheduler) -> int:
     return pages * ps
 
 
+def request_limits(scheduler, tokens: int) -> Tuple[int, int]:
+    """``(max_req_len, max_req_input_len)`` for a pool of ``tokens``: upstream's formula
+    (``TpModelWorker.get_worker_info``: ``min(context_len - 1, kv_capacity - 1)``, the input
+    limit 5 less, or whatever the startup gap was, e.g. a dLLM block more), where
+    ``kv_capacity`` is ``tokens`` times the KV shard widening. The startup values are kept on
+    the scheduler at the first call (``_elastic_kv_limits``); without a ``model_config`` the
+    limits never rise above them."""
+    start = getattr(scheduler, "_elastic_kv_limits", None)
+    if start is None:
+        start = (int(scheduler.max_req_len), int(scheduler.max_req_input_len))
+        scheduler._elastic_kv_limits = start
+    widen = int(getattr(scheduler, "kv_shard_widening", 1) or 1)
+    context = getattr(getattr(scheduler, "model_config", None), "context_len", None)
+    top = int(context) - 1 if context else start[0]
+    max_req_len = max(1, min(top, tokens * widen - 1))
+    return max_req_len, max(1, max_req_len - (start[0] - start[1]))
+
+
 def publish_size(scheduler, tokens: int) -> None:
     """Tell the scheduler and its components the pool's new size (tokens): the idle invariant
-    check, the pool statistics and the load reports read their own copies.
+    check, the pool statistics and the load reports read their own copies; and the request
+    limits that follow from it (:func:`request_limits`: ``max_req_len``, which caps a new
+    request's ``max_new_tokens``, and ``max_req_input_len``, above which a new request is
+    refused with upstream's "Input length ... exceeds the maximum allowed length" or, with
+    ``--allow-auto-truncate``, truncated), so that after a shrink a new request that cannot
+    fit the pool is refused at arrival instead of waiting for KV pages forever.
 
     Upstream's components take the size as a constructor constant, some of them frozen
     dataclasses (``SchedulerPoolStatsObserver``, ``SchedulerLoadInquirer``); a resize changes
     it, so it is written with ``object.__setattr__`` (the documented way around ``frozen``),
     at the safe point, where none of them runs. Never raises (the pool has already resized)."""
     scheduler.max_total_num_tokens = tokens
+    if hasattr(scheduler, "max_req_len") and hasattr(scheduler, "max_req_input_len"):
+        try:
+            scheduler.max_req_len, scheduler.max_req_input_len = request_limits(scheduler, tokens)
+            beams = getattr(scheduler, "beam_coordinator", None)
+            if beams is not None and hasattr(beams, "max_req_len"):
+                object.__setattr__(beams, "max_req_len", scheduler.max_req_len)
+        except (AttributeError, TypeError, ValueError) as e:
+            logger.error("elastic KV: the request limits keep their old values (%s)", e)
     widen = int(getattr(scheduler, "kv_shard_widening", 1) or 1)
     for name, value in (
         ("pool_stats_observer", tokens * widen),
