@@ -240,12 +240,7 @@ def fp8_cpu_executor_forward(
         "w13_scale": layer.w13_weight_scale_inv,
         "w2_scale": layer.w2_weight_scale_inv,
     }
-    if moe_runner_config.apply_router_weight_on_input:  # top-1: expert(w * x), weight 1
-        x, weights = _weight_on_input(x, topk_output[0])
-        topk_output = (weights, topk_output[1])
-    return _quant_forward(
-        "block-FP8", _bias_banks(layer, banks), x, topk_output, _activation(moe_runner_config)
-    )
+    return _layer_quant_forward("block-FP8", layer, banks, x, topk_output, moe_runner_config)
 
 
 def nvfp4_cpu_executor_forward(
@@ -278,12 +273,19 @@ def nvfp4_cpu_executor_forward(
         "w13_scale_2": layer.w13_weight_scale_2,
         "w2_scale_2": layer.w2_weight_scale_2,
     }
-    if moe_runner_config.apply_router_weight_on_input:  # top-1: expert(w * x), weight 1
+    return _layer_quant_forward("NVFP4", layer, banks, x, topk_output, moe_runner_config)
+
+
+def _layer_quant_forward(
+    label: str, layer, banks: dict, x: torch.Tensor, topk_output, moe_runner_config
+) -> torch.Tensor:
+    """:func:`_quant_forward` of a quantized resident layer: its bias banks, its activation,
+    and a top-1 router weight applied on the input (Llama 4: the expert runs on ``w * x``)."""
+    if moe_runner_config.apply_router_weight_on_input:
         x, weights = _weight_on_input(x, topk_output[0])
         topk_output = (weights, topk_output[1])
-    return _quant_forward(
-        "NVFP4", _bias_banks(layer, banks), x, topk_output, _activation(moe_runner_config)
-    )
+    banks = _bias_banks(layer, banks)
+    return _quant_forward(label, banks, x, topk_output, _activation(moe_runner_config))
 
 
 def _quant_forward(
