@@ -88,9 +88,11 @@ def _config_reason(layer: torch.nn.Module, moe_runner_config) -> Optional[str]:
 
 def _activation(moe_runner_config) -> str:
     """The executor's activation for a layer :func:`_config_reason` accepts: ``silu``, or
-    ``gelu_tanh`` for gated ``gelu`` (Gemma 4's experts; upstream's ``moe_forward_native`` runs
-    ``GeluAndMul()``, whose default is the tanh approximation)."""
-    return "gelu_tanh" if moe_runner_config.activation == "gelu" else "silu"
+    ``gelu_tanh`` for gated ``gelu`` (Gemma 4), as the expert cache maps it
+    (``expert_cache.method.expert_activation``)."""
+    from sglang.srt.layers.moe.expert_cache.method import expert_activation
+
+    return expert_activation(moe_runner_config)[0]
 
 
 def unsupported_reason(layer: torch.nn.Module, x: torch.Tensor, moe_runner_config) -> Optional[str]:

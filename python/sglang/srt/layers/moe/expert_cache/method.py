@@ -402,7 +402,7 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     # Upstream's MXFP4 layers read w13 with gate / up interleaved unless the config says
     # otherwise (``gate_up_interleaved``, default True: gpt-oss); other methods in halves.
     interleaved = label == "mxfp4" and bool(getattr(cfg, "gate_up_interleaved", True))
-    top_k = layer.top_k if getattr(layer, "top_k", None) is not None else None
+    top_k = getattr(layer, "top_k", None)
     if top_k is None:  # FusedMoE built without it (Llama 4): the model's
         top_k = process_model_config().hf_text_config.num_experts_per_tok
     if cfg.apply_router_weight_on_input and top_k != 1:
