@@ -265,6 +265,16 @@ def test_routed_expert_names():
     assert not is_routed_expert("model.layers.3.mlp.shared_expert.gate_proj.weight", {3})
     assert not is_routed_expert("model.layers.3.mlp.shared_experts.up_proj.weight", {3})
     assert not is_routed_expert("model.layers.3.mlp.gate.weight", {3})
+    # all of a layer's experts in one tensor (gpt-oss, Gemma 4, Llama 4 as released)
+    assert is_routed_expert("model.layers.3.mlp.experts.gate_up_proj_blocks", {3})
+    assert is_routed_expert("model.layers.3.mlp.experts.down_proj_bias", {3})
+    assert is_routed_expert("model.language_model.layers.3.experts.gate_up_proj", {3})
+    assert is_routed_expert("language_model.model.layers.3.feed_forward.experts.down_proj", {3})
+    assert not is_routed_expert("model.layers.3.mlp.experts.down_proj_bias", {2})
+    assert not is_routed_expert(
+        "language_model.model.layers.3.feed_forward.shared_expert.down_proj.weight", {3}
+    )
+    assert not is_routed_expert("model.language_model.layers.3.router.per_expert_scale", {3})
 
 
 def test_checkpoint_load_progress_logged_once(caplog):
@@ -305,7 +315,22 @@ def _pools(tmp_path_factory, quant, *flags, arch="qwen3_moe"):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out), proc.stderr
+    res = torch.load(out)
+    res["checkpoint_experts"] = _checkpoint_expert_tensors(model)
+    return res, proc.stderr
+
+
+def _checkpoint_expert_tensors(model: Path) -> int:
+    """How many of the checkpoint's tensors are routed experts, counted by name without
+    ``pack_load``'s pattern (``.experts.`` in the name: a shared expert is ``shared_expert.``
+    or ``shared_experts.``)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in Path(model).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            n += sum(".experts." in k for k in st.keys())
+    return n
 
 
 @pytest.fixture(scope="module")
@@ -352,11 +377,44 @@ def test_gpt_oss_mxfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_facto
     the checkpoint load: a pack is read without a second de-interleave."""
     res, log = _pools(tmp_path_factory, None, "--no-corrupt", arch="gpt_oss")
     assert "loaded the host pool from the expert pack" in log
+    _assert_fused_experts_skipped(res, log)
     ckpt, packed = res["checkpoint"], res["pack"]
     assert sorted(ckpt["banks"]) == ["w13", "w13_bias", "w13_scale", "w2", "w2_bias", "w2_scale"]
     for name in ckpt["banks"]:
         assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
         assert ckpt["banks"][name].any(), name
+    assert ckpt["params"].keys() == packed["params"].keys()
+    for n, p in ckpt["params"].items():
+        assert torch.equal(p, packed["params"][n]), n
+
+
+def _assert_fused_experts_skipped(res, log):
+    """Every checkpoint tensor holding a layer's routed experts fused (``...experts.gate_up_proj
+    ...``; not the shared expert) is counted by the checkpoint load and skipped by the pack
+    load, and none else is."""
+    import re
+
+    fused = res["checkpoint_experts"]
+    assert fused > 0
+    assert f"wrote the host pool from the checkpoint: {fused} routed expert tensors" in log
+    assert re.search(rf"; {fused} expert tensors of the checkpoint skipped", log), log[-3000:]
+
+
+def test_llama4_fused_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
+    """The tiny Llama 4 (``tiny_models --arch llama4``: each layer's experts fused in
+    ``feed_forward.experts.gate_up_proj`` / ``down_proj`` as released, beside an unfused
+    ``shared_expert``): the pack load skips exactly the fused routed tensors, and the pool
+    and every other parameter (the shared expert's included) are bit-identical to the
+    checkpoint load."""
+    res, log = _pools(tmp_path_factory, None, "--no-corrupt", arch="llama4")
+    assert "loaded the host pool from the expert pack" in log
+    _assert_fused_experts_skipped(res, log)
+    ckpt, packed = res["checkpoint"], res["pack"]
+    assert set(ckpt["banks"]) == {"w13", "w2"}
+    for name in ckpt["banks"]:
+        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
+        assert ckpt["banks"][name].any(), name
+    assert any("shared_expert" in n for n in ckpt["params"])
     assert ckpt["params"].keys() == packed["params"].keys()
     for n, p in ckpt["params"].items():
         assert torch.equal(p, packed["params"][n]), n

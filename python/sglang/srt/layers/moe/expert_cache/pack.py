@@ -64,8 +64,8 @@ def start_single_process_group() -> None:
 def load_pool(model_path: str, dtype: str = "auto", use_pack: bool = False):
     """Build ``model_path`` on the CPU (``SGLANG_USE_CPU_ENGINE=1`` must be set before
     sglang is imported) with the expert cache on, from its checkpoint (or, with
-    ``use_pack``, from a pack where the server would use one), and return the process's :class:`ExpertSlotCache` (its ``host`` is the
-    filled pool) and the model.
+    ``use_pack``, from a pack where the server would use one), and return the process's
+    :class:`ExpertSlotCache` (its ``host`` is the filled pool) and the model.
 
     Raises:
         RuntimeError: the expert cache does not serve this model (``make_for_layer``'s
@@ -74,6 +74,7 @@ def load_pool(model_path: str, dtype: str = "auto", use_pack: bool = False):
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
     from sglang.srt.layers.moe.expert_cache.method import (
         get_expert_slot_cache,
         reset_expert_slot_cache,
@@ -104,10 +105,15 @@ def load_pool(model_path: str, dtype: str = "auto", use_pack: bool = False):
         publish(args, role="test", ranks=SpawnRanks(world_rank=0))
         start_single_process_group()
     reset_expert_slot_cache()
-    model_config = ModelConfig.from_server_args(args)
+    load_config = LoadConfig(load_format=args.load_format, download_dir=args.download_dir)
+    # as upstream's ModelRunner.load_model does on the CPU before get_model: it records the
+    # original head counts some loaders read (mllama4's q/k permutation)
+    model_config = adjust_config_with_unaligned_cpu_tp(
+        ModelConfig.from_server_args(args), load_config, tp_size=1
+    )
     model = get_model(
         model_config=model_config,
-        load_config=LoadConfig(load_format=args.load_format, download_dir=args.download_dir),
+        load_config=load_config,
         device_config=DeviceConfig("cpu"),
     )
     cache = get_expert_slot_cache()
