@@ -103,6 +103,17 @@ def test_choice_follows_the_times_and_the_spare_slots():
     # ties go to the split
     tie = PathTimes(two_buffers=3.0, one_buffer=3.0, split=3.0)
     assert choose_prefill_path(tie, spare_slots=2 * E, num_experts=E) is PrefillPath.SPLIT
+    # then to two buffers: with the compute time not yet measured (C = 0) T_2 = T_1 = X, and
+    # the real C > 0 makes two buffers the faster (one buffer when only one layer fits)
+    kw = dict(PAPER, max_fills=16, routed=8192 * 8)
+    unmeasured = path_times(**kw)
+    assert unmeasured.two_buffers == unmeasured.one_buffer < unmeasured.split
+    assert choose_prefill_path(unmeasured, spare_slots=2 * 256, num_experts=256) is (
+        PrefillPath.TWO_BUFFERS
+    )
+    assert choose_prefill_path(unmeasured, spare_slots=2 * 256 - 1, num_experts=256) is (
+        PrefillPath.ONE_BUFFER
+    )
     # force: the most buffers the pool allows, whatever the times
     slow = PathTimes(two_buffers=9.0, one_buffer=9.0, split=1.0)
     pick = dict(num_experts=E, force=True)

@@ -64,6 +64,8 @@ def test_streamed_prefill_is_bit_identical_and_leaves_the_tables_intact(size, pa
     cache = forced(size)
     nbuf = {PrefillPath.TWO_BUFFERS: 2, PrefillPath.ONE_BUFFER: 1, PrefillPath.SPLIT: 0}[path]
     streamed = 0
+    borrowed, borrow = [], cache.prefill_stream._borrow  # the buffer slots of each pass
+    cache.prefill_stream._borrow = lambda n: borrowed.append(borrow(n)) or borrowed[-1]
     for n, calls in enumerate(passes(12)):
         before = entries(cache)
         clock = int(cache.tables.clock.item())
@@ -78,14 +80,41 @@ def test_streamed_prefill_is_bit_identical_and_leaves_the_tables_intact(size, pa
         if prefill and nbuf:
             streamed += 1
             after = entries(cache)
-            # every entry that was not borrowed survives in its slot, the buffers came back
-            # empty, and no more than the buffers' slots were given up
-            assert all(before.get(s) == g for s, g in after.items())
-            assert len(after) >= len(before) - nbuf * E
-            assert len(after) == min(len(before), cache.num_slots - nbuf * E)
+            kept = {s: g for s, g in after.items() if s in borrowed[-1]}
+            survivors = {s: g for s, g in after.items() if s not in kept}
+            assert all(before.get(s) == g for s, g in survivors.items())
+            # every entry that was not borrowed survives in its slot; the buffers came back
+            # holding the last nbuf layers whole (the experts without a survivor slot), each
+            # slot's bytes those of its expert's host-pool row
+            assert len(survivors) == min(len(before), cache.num_slots - nbuf * E)
+            assert {g // E for g in kept.values()} <= set(range(L - nbuf, L))
+            resident = set(after.values())
+            assert all(layer * E + e in resident for layer in range(L - nbuf, L) for e in range(E))
+            for slot, g in kept.items():
+                for name, bank in cache.slots.tensors.items():
+                    assert torch.equal(bank[slot], cache.host.tensors[name][g]), (name, slot)
     assert cache.prefill_stream.passes[path] == sum(c[0][1].shape[0] > 1 for c in passes(12))
     assert cache.prefill_stream.abandoned == 0
     assert streamed == (cache.prefill_stream.passes[path] if nbuf else 0)
+
+
+def test_compute_time_is_measured_and_enters_the_model():
+    """A streamed pass measures the compute seconds per routed entry, and the next decision
+    models ``C`` = routed x that rate: one buffer then costs ``X + C`` > two buffers'
+    ``max(X, C)``, and the split at least ``C`` (``prefill_plan.path_times``)."""
+    cache = forced("100%", PrefillPath.TWO_BUFFERS)
+    stream = cache.prefill_stream
+    assert stream.compute_s_per_entry is None
+    for layer, x, w, ids in passes(1)[0]:  # one prefill pass over every layer
+        cache.forward(layer, x, w, ids)
+    rate = stream.compute_s_per_entry
+    assert rate is not None and 0 < rate < 1.0
+    tokens = 4096
+    stream.decide(tokens)
+    t, c = stream.last_times, tokens * K * rate
+    x = t.one_buffer - c  # the layer's transfer time X
+    assert x > 0 and t.two_buffers == pytest.approx(max(x, c))
+    assert t.split >= c
 
 
 def test_resident_experts_are_copied_slot_to_slot():
@@ -133,6 +162,7 @@ def test_decode_calls_and_calls_out_of_order_take_the_ordinary_path():
     for c in (calls[0], calls[2]):
         assert torch.equal(cache.forward(*c), base.forward(*c))
     assert stream.abandoned == 1 and not stream.active
+    assert stream.kept_entries == 0  # an abandoned pass keeps no buffer as entries
     cache.check_invariants()
     # a pass left open, then a resize at a safe point
     cache.forward(*calls[0])

@@ -143,15 +143,22 @@ def choose_prefill_path(
     """The fastest path the slot pool allows: two buffers need ``2 E`` spare slots, one buffer
     ``E``; the split always runs. ``force`` (``--expert-cache-prefill-stream force``) takes the
     most buffers the pool allows whatever the times say (the split only when not even one layer
-    fits). Ties go to fewer buffers, then to the split."""
-    allowed = [PrefillPath.SPLIT]
-    if spare_slots >= num_experts:
-        allowed.insert(0, PrefillPath.ONE_BUFFER)
-    if spare_slots >= 2 * num_experts:
-        allowed.insert(0, PrefillPath.TWO_BUFFERS)
+    fits).
+
+    Ties go to the split (it evicts nothing), then to two buffers: ``T_2 = max(X, C) <= X + C =
+    T_1`` always, and they tie only when ``X = 0`` (every expert resident: the split ties too)
+    or ``C = 0``, i.e. before any compute time was measured (:func:`path_times`), where the
+    real ``C > 0`` makes two buffers the faster."""
     if force:
-        return allowed[0]
-    return min(reversed(allowed), key=times.of)
+        if spare_slots >= 2 * num_experts:
+            return PrefillPath.TWO_BUFFERS
+        return PrefillPath.ONE_BUFFER if spare_slots >= num_experts else PrefillPath.SPLIT
+    allowed = [PrefillPath.SPLIT]
+    if spare_slots >= 2 * num_experts:
+        allowed.append(PrefillPath.TWO_BUFFERS)
+    if spare_slots >= num_experts:
+        allowed.append(PrefillPath.ONE_BUFFER)
+    return min(allowed, key=times.of)  # the first of equal times: the order above
 
 
 def stream_threshold(

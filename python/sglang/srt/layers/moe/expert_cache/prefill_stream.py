@@ -20,8 +20,10 @@ the device from a full-layer buffer instead of taking the decode path's hit / fi
    on the CPU ``moe_experts_cpu`` over the slot banks, the same kernel per (token, expert)
    entry as the ordinary path, so outputs are bit-identical to it.
 4. **Return** (after the last MoE layer, or when a pass is abandoned): the copies are drained
-   (on CUDA the main stream waits for the copy stream, no host sync) and the buffers stay in
-   the pool as empty slots; the entries that were not borrowed seed decode.
+   (on CUDA the main stream waits for the copy stream, no host sync) and the buffers return
+   to the pool. After a completed pass they hold the last ``nbuf`` layers whole, and each of
+   those experts that has no other slot becomes its buffer slot's cache entry (an abandoned
+   pass leaves them empty); with the entries that were not borrowed they seed decode.
 
 Decode and its CUDA graph are untouched: a captured call, a decode batch or a layer call out
 of order takes the ordinary path (the latter abandons the pass first). Compared with upstream's
@@ -168,6 +170,13 @@ class PrefillStream:
         self.passes = {p: 0 for p in PrefillPath}
         self.abandoned = 0
         self.link_bytes = 0  # host-pool bytes loaded into buffers, all passes
+        self.kept_entries = 0  # buffer slots kept as cache entries after passes, all passes
+        # Measured compute seconds per routed entry of a streamed layer call (the ``C`` of
+        # prefill_plan.path_times, as C = routed x this); None until a streamed pass measured
+        # one. On CUDA the timing events are read at the next decision, once they completed.
+        self.compute_s_per_entry: Optional[float] = None
+        self._timings: List[tuple] = []  # CUDA: (start event, end event, entries) not yet read
+        self.last_times = None  # the PathTimes of the last decision
 
     @property
     def enabled(self) -> bool:
@@ -186,15 +195,19 @@ class PrefillStream:
         bw = c.bandwidths
         layers = max(1, len(c.layer_ids))
         occupied = int((c.tables.id_of_slot[: c.num_slots] >= 0).sum()) if c.num_slots else 0
+        self._read_timings()
+        routed = num_tokens * c.top_k
         times = path_times(
-            routed=num_tokens * c.top_k,
+            routed=routed,
             num_experts=E,
             expert_bytes=c.host.expert_bytes,
             fill_gbps=bw.fill_gbps if bw else float("nan"),
             cpu_gbps=bw.cpu_gbps if bw else float("nan"),
             max_fills=c.fills.fill_src.numel(),
             resident=occupied // layers,
+            compute_s=routed * (self.compute_s_per_entry or 0.0),
         )
+        self.last_times = times
         force = self.mode == "force"
         path = choose_prefill_path(times, spare_slots=c.num_slots, num_experts=E, force=force)
         if force and self.path is not None and path is not PrefillPath.SPLIT:
@@ -241,13 +254,18 @@ class PrefillStream:
                 return None
             self._begin(path, layers)
             if self.passes[path] == 1:
+                t = self.last_times
                 logger.info(
                     "Expert cache: a prefill pass of %d tokens streamed through %s (the first; "
-                    "%d slots, %d experts per layer)",
+                    "%d slots, %d experts per layer; modelled ms per layer: two buffers %.2f, "
+                    "one buffer %.2f, split %.2f)",
                     T,
                     _LABEL[path],
                     c.num_slots,
                     c.num_experts,
+                    1e3 * t.two_buffers,
+                    1e3 * t.one_buffer,
+                    1e3 * t.split,
                 )
         p = self._pass
         if p is None:
@@ -347,18 +365,25 @@ class PrefillStream:
         self._lane.ready(p.ready.pop(b))
         lut = p.buffer_ids[b]
         slot_ids = torch.where(ids >= 0, lut[ids.clamp(min=0).long()], -1).to(torch.int32)
+        entries = ids.shape[0] * ids.shape[1]
         if self.on_cuda:
             from sglang.srt.layers.moe.expert_cache.cuda_branch import slot_experts
 
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
             part = slot_experts(
                 c.slots, x, weights, slot_ids, moe_runner_config, c.host.format.weight_block_size
             )
+            end.record()
+            self._timings = self._timings[-(_MAX_TIMINGS - 1) :] + [(start, end, entries)]
             out = part.float()
         else:
             from sglang.srt.layers.moe.expert_cache.executor_args import run_experts_cpu
 
             out = torch.empty(x.shape[0], c.hidden_size, dtype=torch.float32)
+            start = time.perf_counter()
             run_experts_cpu(x, weights, [slot_ids], [c.slots], out, **c.act_kwargs)
+            self._add_compute_sample(time.perf_counter() - start, entries)
         if scale is not None:
             out.mul_(scale)
         c.tables.clock.add_(1)  # one layer call, as the control step counts them
@@ -368,17 +393,66 @@ class PrefillStream:
             self._load(p, i + nbuf, b)
         return out.to(x.dtype)
 
+    def _add_compute_sample(self, seconds: float, entries: int) -> None:
+        """Fold one layer call's compute time into :attr:`compute_s_per_entry` (an
+        exponential average, weight :data:`_EWMA`, of seconds per routed entry)."""
+        if entries <= 0 or not seconds > 0:
+            return
+        rate = seconds / entries
+        old = self.compute_s_per_entry
+        self.compute_s_per_entry = rate if old is None else old + _EWMA * (rate - old)
+
+    def _read_timings(self) -> None:
+        """Fold in the CUDA timings whose end event has completed (``query``: no host sync);
+        the others wait for a later decision."""
+        pending = []
+        for start, end, entries in self._timings:
+            if end.query():
+                self._add_compute_sample(start.elapsed_time(end) / 1e3, entries)
+            else:
+                pending.append((start, end, entries))
+        self._timings = pending
+
     def _finish(self) -> None:
         p, self._pass = self._pass, None
         self._lane.drain()
         p.keep.clear()
         self.link_bytes += p.link_bytes
+        if p.next_index == len(p.layers):
+            self._keep_last_layers(p)
+
+    def _keep_last_layers(self, p: _Pass) -> None:
+        """After a completed pass (its copies drained) the buffers hold the last ``nbuf``
+        layers whole: every expert there without a slot of its own (the survivors of the
+        borrow keep theirs) becomes the cache entry of its buffer slot, used now, so decode
+        starts with those layers resident; the other buffer slots stay empty."""
+        c, t = self.cache, self.cache.tables
+        E, nbuf, n = c.num_experts, len(p.buffers), len(p.layers)
+        slots, ids = [], []
+        for i in range(max(0, n - nbuf), n):
+            layer, buf, resident = p.layers[i], p.buffers[i % nbuf], p.resident[i]
+            for e in range(E):
+                if resident[e] < 0:
+                    slots.append(buf[e])
+                    ids.append(layer * E + e)
+        if not slots:
+            return
+        slot_t = torch.tensor(slots, dtype=torch.long, device=c.device)
+        id_t = torch.tensor(ids, dtype=torch.long, device=c.device)
+        t.slot_of_id[id_t] = slot_t.to(torch.int32)
+        t.id_of_slot[slot_t] = id_t.to(torch.int32)
+        t.slot_last_use[slot_t] = t.clock.expand(len(slots))
+        self.kept_entries += len(slots)
 
 
 _LABEL = {
     PrefillPath.TWO_BUFFERS: "two full-layer buffers",
     PrefillPath.ONE_BUFFER: "one full-layer buffer",
 }
+
+
+_EWMA = 0.25  # weight of a new layer call's compute time in compute_s_per_entry
+_MAX_TIMINGS = 256  # CUDA timing pairs kept unread at most (the oldest are dropped)
 
 
 def _nbuf(path: PrefillPath) -> int:
