@@ -53,7 +53,7 @@ format: setup
 # tests (test/e2e/test_endpoints_agent_clients.py) run with the rest and fail without them;
 # SGLANG_TEST_SKIP_AGENTS=1 (no npm registry) skips both the install and those tests.
 test: setup lint check-patches $(if $(filter 1,$(SGLANG_TEST_SKIP_AGENTS)),,agents)
-	$(PY) -m pytest test -q -ra
+	$(PY) -m pytest test -q -ra --durations=25
 
 bench-replay: setup model
 	$(PY) benchmark/e2e/agent_replay.py --traces $(TRACES)
