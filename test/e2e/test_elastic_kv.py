@@ -5,9 +5,10 @@ greedy streams run.
 * every stream completes with 200 and has exactly the tokens of the same streams run before
   without rebalances (moved pages hold the same KV, every index was rewritten); the streams are
   one batched request (``_concurrent_streams``), so both runs have the same batches: the CPU
-  server's bf16 outputs are not batch-invariant, and separate requests, batched differently
-  from run to run, had one stream's greedy tokens differ in about half the runs with or
-  without rebalances (the "known divergence" this test reported as an xfail until then);
+  server's bf16 decode is not batch-invariant (the dense linears change kernel above 4 rows,
+  patch 0004), and separate requests, batched differently from run to run, had one stream's
+  greedy tokens differ in about half the runs with or without rebalances (the "known
+  divergence" this test reported as an xfail until then);
   every rebalance answers 200 (the handler checks the allocator's counts against the tree and
   the running requests after each one and answers 500 otherwise);
 * after a shrink the scheduler's resident memory drops by about the bytes released;

@@ -203,10 +203,14 @@ def _concurrent_streams(url: str, prompts: list[list[int]], during=None) -> list
     manager sends to the scheduler as one message), so every call runs the same batches: one
     prefill of all prompts, then decode steps of all of them until they end together. Separate
     concurrent requests reached the scheduler at times that varied from run to run and were
-    prefilled in different groups ([1, 7] in one run, [1, 2, 2, 3] in the next), and the CPU
-    server's bf16 logits are not batch-invariant: on the tiny random models a near-tie then
-    flipped a greedy token of some stream in about half of the runs with no rebalance at all
-    (issue 15's "divergence after the KV storm" was this, not the KV resize)."""
+    prefilled in different groups ([1, 7] in one run, [1, 2, 2, 3] in the next) and decoded in
+    batches of other sizes, and the CPU server's bf16 decode is not batch-invariant: its dense
+    linears run on the fork's ``dense_linear`` op for at most 4 rows and on upstream's
+    ``F.linear`` above (patch 0004, ``SGLANG_CPU_DENSE_LINEAR_MAX_ROWS``), so a request decoded
+    alone and the same request decoded beside 7 others got logprobs up to 0.18 apart on the
+    tiny Qwen3-MoE (identical with the variable at 0). A near-tie then flipped one stream's
+    greedy token in about half the runs, with no rebalance at all: issue 15's "divergence
+    after the KV storm" was this, not the KV resize."""
     from concurrent.futures import ThreadPoolExecutor
 
     streams = [_Stream() for _ in prompts]
