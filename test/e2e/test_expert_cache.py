@@ -208,46 +208,48 @@ def _concurrent_streams(url: str, prompts: list[list[int]], during=None) -> list
     linears run on the fork's ``dense_linear`` op for at most 4 rows and on upstream's
     ``F.linear`` above (patch 0004, ``SGLANG_CPU_DENSE_LINEAR_MAX_ROWS``), so a request decoded
     alone and the same request decoded beside 7 others got logprobs up to 0.18 apart on the
-    tiny Qwen3-MoE (identical with the variable at 0). A near-tie then flipped one stream's
-    greedy token in about half the runs, with no rebalance at all: issue 15's "divergence
-    after the KV storm" was this, not the KV resize."""
+    tiny Qwen3-MoE (identical with the variable at 0). A near-tie then flipped a stream's
+    greedy token in many runs (3 of 4 in one measurement), with no rebalance at all: issue
+    15's "divergence after the KV storm" was this, not the KV resize."""
     from concurrent.futures import ThreadPoolExecutor
 
     streams = [_Stream() for _ in prompts]
 
     def consume() -> list[list[int]]:
-        r = requests.post(
-            url + "/generate",
-            json={
-                "input_ids": prompts,
-                "stream": True,
-                "sampling_params": {
-                    "temperature": 0,
-                    "max_new_tokens": STREAM_TOKENS,
-                    "ignore_eos": True,
-                },
-            },
-            stream=True,
-            timeout=600,
-        )
-        assert r.status_code == 200, r.text
         last: dict[int, list[int]] = {}
         end = None
-        for line in r.iter_lines(decode_unicode=True):
-            if not line.startswith("data: "):
-                continue
-            end = line[6:]
-            if end == "[DONE]":
-                break
-            chunk = json.loads(end)
-            i = int(chunk.get("index", 0))
-            last[i] = chunk["output_ids"]
-            streams[i].started.set()
-            if chunk["meta_info"].get("finish_reason") is not None:
-                streams[i].finished.set()
-        for s in streams:  # a failed stream must not leave during() waiting
-            s.started.set()
-            s.finished.set()
+        try:
+            r = requests.post(
+                url + "/generate",
+                json={
+                    "input_ids": prompts,
+                    "stream": True,
+                    "sampling_params": {
+                        "temperature": 0,
+                        "max_new_tokens": STREAM_TOKENS,
+                        "ignore_eos": True,
+                    },
+                },
+                stream=True,
+                timeout=600,
+            )
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines(decode_unicode=True):
+                if not line.startswith("data: "):
+                    continue
+                end = line[6:]
+                if end == "[DONE]":
+                    break
+                chunk = json.loads(end)
+                i = int(chunk.get("index", 0))
+                last[i] = chunk["output_ids"]
+                streams[i].started.set()
+                if chunk["meta_info"].get("finish_reason") is not None:
+                    streams[i].finished.set()
+        finally:  # a failed request must not leave during() waiting
+            for s in streams:
+                s.started.set()
+                s.finished.set()
         assert end == "[DONE]", end
         assert sorted(last) == list(range(len(prompts))), sorted(last)
         lens = {i: len(v) for i, v in last.items()}
