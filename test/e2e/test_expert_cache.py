@@ -180,50 +180,89 @@ STREAM_TOKENS = 64
 REBALANCES = ["64", "8", "100%", "16", "50%", "8", "128", "12"]
 
 
-def _stream_tokens(url: str, ids: list[int], started=None) -> list[int]:
-    """A greedy streaming ``/generate`` of ``STREAM_TOKENS`` tokens (EOS ignored): the output
-    token ids of its last chunk; the status must be 200 and the stream end with [DONE].
-    ``started()`` is called once, when the first chunk arrives (the request is decoding)."""
-    r = requests.post(
-        url + "/generate",
-        json={
-            "input_ids": ids,
-            "stream": True,
-            "sampling_params": {
-                "temperature": 0,
-                "max_new_tokens": STREAM_TOKENS,
-                "ignore_eos": True,
-            },
-        },
-        stream=True,
-        timeout=600,
-    )
-    assert r.status_code == 200, r.text
-    chunks = []
-    for line in r.iter_lines(decode_unicode=True):
-        if line.startswith("data: "):
-            chunks.append(line[6:])
-            if len(chunks) == 1 and started is not None:
-                started()
-    assert chunks and chunks[-1] == "[DONE]", chunks[-2:]
-    out = json.loads(chunks[-2])["output_ids"]
-    assert len(out) == STREAM_TOKENS, len(out)
-    return out
+class _Stream:
+    """One prompt's stream in :func:`_concurrent_streams`: ``done()`` once its last chunk (the
+    one with a finish reason) has arrived."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.finished = threading.Event()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
 
 
 def _concurrent_streams(url: str, prompts: list[list[int]], during=None) -> list[list[int]]:
-    """Every prompt streamed at once; ``during(futures)`` runs once every stream has received
-    its first chunk (all of them are decoding), so it does not depend on the machine's speed."""
+    """Every prompt streamed at once, greedy, ``STREAM_TOKENS`` tokens each (EOS ignored): the
+    output token ids of each prompt's last chunk; the status must be 200, the stream end with
+    [DONE] and every prompt get its tokens. ``during(streams)`` (one :class:`_Stream` per
+    prompt) runs once every prompt has received its first chunk (all of them are decoding), so
+    it does not depend on the machine's speed.
+
+    The prompts go as ONE batched ``/generate`` (a list of ``input_ids``, which the tokenizer
+    manager sends to the scheduler as one message), so every call runs the same batches: one
+    prefill of all prompts, then decode steps of all of them until they end together. Separate
+    concurrent requests reached the scheduler at times that varied from run to run and were
+    prefilled in different groups ([1, 7] in one run, [1, 2, 2, 3] in the next) and decoded in
+    batches of other sizes, and the CPU server's bf16 decode is not batch-invariant: its dense
+    linears run on the fork's ``dense_linear`` op for at most 4 rows and on upstream's
+    ``F.linear`` above (patch 0004, ``SGLANG_CPU_DENSE_LINEAR_MAX_ROWS``), so a request decoded
+    alone and the same request decoded beside 7 others got logprobs up to 0.18 apart on the
+    tiny Qwen3-MoE (identical with the variable at 0). A near-tie then flipped a stream's
+    greedy token in many runs (3 of 4 in one measurement), with no rebalance at all: issue
+    15's "divergence after the KV storm" was this, not the KV resize."""
     from concurrent.futures import ThreadPoolExecutor
 
-    started = threading.Semaphore(0)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_stream_tokens, url, ids, started.release) for ids in prompts]
+    streams = [_Stream() for _ in prompts]
+
+    def consume() -> list[list[int]]:
+        last: dict[int, list[int]] = {}
+        end = None
+        try:
+            r = requests.post(
+                url + "/generate",
+                json={
+                    "input_ids": prompts,
+                    "stream": True,
+                    "sampling_params": {
+                        "temperature": 0,
+                        "max_new_tokens": STREAM_TOKENS,
+                        "ignore_eos": True,
+                    },
+                },
+                stream=True,
+                timeout=600,
+            )
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines(decode_unicode=True):
+                if not line.startswith("data: "):
+                    continue
+                end = line[6:]
+                if end == "[DONE]":
+                    break
+                chunk = json.loads(end)
+                i = int(chunk.get("index", 0))
+                last[i] = chunk["output_ids"]
+                streams[i].started.set()
+                if chunk["meta_info"].get("finish_reason") is not None:
+                    streams[i].finished.set()
+        finally:  # a failed request must not leave during() waiting
+            for s in streams:
+                s.started.set()
+                s.finished.set()
+        assert end == "[DONE]", end
+        assert sorted(last) == list(range(len(prompts))), sorted(last)
+        lens = {i: len(v) for i, v in last.items()}
+        assert set(lens.values()) == {STREAM_TOKENS}, lens
+        return [last[i] for i in range(len(prompts))]
+
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(consume)
         if during is not None:
-            for _ in prompts:
-                assert started.acquire(timeout=300), "a stream never produced its first chunk"
-            during(futures)
-        return [f.result() for f in futures]
+            for s in streams:
+                assert s.started.wait(timeout=300), "a stream never produced its first chunk"
+            during(streams)
+        return future.result()
 
 
 def _rebalance(url: str, size, **extra) -> requests.Response:
@@ -244,12 +283,12 @@ def test_rebalance_with_streams_in_flight(results, server_pool):
     want = _concurrent_streams(srv.url, prompts)
     done = []
 
-    def storm(futures):
+    def storm(streams):
         for size in REBALANCES:  # back to back: each waits for the next safe point
             r = _rebalance(srv.url, size)
             assert r.status_code == 200, r.text
             body = r.json()
-            in_flight = sum(not f.done() for f in futures)
+            in_flight = sum(not s.done() for s in streams)
             done.append((size, body["expert_cache"]["slots"], body["time_ms"], in_flight))
 
     try:

@@ -251,6 +251,8 @@ def handle_rebalance_memory(scheduler, req):
     from sglang.srt.managers.io_struct import RebalanceMemoryReqOutput
     from sglang.srt.mem_cache.elastic_kv.resize import KVResizeFailed, KVResizeRefused
     from sglang.srt.mem_cache.elastic_kv.scheduler_glue import (
+        audit_check,
+        audit_snapshot,
         check_accounting,
         elastic_kv_of,
         publish_size,
@@ -321,15 +323,18 @@ def handle_rebalance_memory(scheduler, req):
         steps.append(("kv", el.target(kv_target), el.size))
     steps.sort(key=lambda s: s[1] >= s[2])  # shrinks (new < old) first
     done = []
+    audit_problems: List[str] = []
 
     def apply(kind, target):
         if kind == "slots":
             r = rebalance(cache, str(target))
             return r["released_bytes"], r
+        snap = audit_snapshot(scheduler, el)  # None unless SGLANG_ELASTIC_KV_AUDIT=1
         try:
             r = el.resize(target, reserve_tokens=reserve)
         finally:  # the scheduler's copies follow the pool, whatever happened
             publish_size(scheduler, el.size)
+        audit_problems.extend(audit_check(scheduler, el, snap))
         return r["released_bytes"], r
 
     try:
@@ -365,6 +370,7 @@ def handle_rebalance_memory(scheduler, req):
         except Exception as e:  # noqa: BLE001 - the handler must never raise
             logger.exception("rebalance_memory: the KV accounting check failed")
             problems = [f"the check itself failed ({type(e).__name__}: {e})"]
+        problems += audit_problems
         errors = (extra.get("kv_resize") or {}).get("errors") or []
         if errors or problems:
             msg = []

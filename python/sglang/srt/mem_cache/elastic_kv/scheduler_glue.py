@@ -169,3 +169,33 @@ def check_accounting(scheduler, el: ElasticKV) -> List[str]:
     for p in problems:
         logger.error("elastic KV accounting: %s", p)
     return problems
+
+
+def audit_snapshot(scheduler, el: ElasticKV):
+    """:func:`.audit.snapshot` of the scheduler's KV holders when ``SGLANG_ELASTIC_KV_AUDIT``
+    asks for it, else None. Never raises (a failed snapshot is logged; the resize goes on
+    unaudited and :func:`audit_check` says so)."""
+    from sglang.srt.mem_cache.elastic_kv import audit
+
+    if not audit.enabled():
+        return None
+    try:
+        return audit.snapshot(el, kv_holders(scheduler))
+    except Exception as e:  # noqa: BLE001 - an audit must not fail the resize
+        logger.exception("elastic KV audit: the snapshot failed")
+        return f"the audit snapshot failed ({type(e).__name__}: {e})"
+
+
+def audit_check(scheduler, el: ElasticKV, snap) -> List[str]:
+    """:func:`.audit.check` after the resize (empty without a snapshot). Never raises."""
+    from sglang.srt.mem_cache.elastic_kv import audit
+
+    if snap is None:
+        return []
+    if isinstance(snap, str):
+        return [snap]
+    try:
+        return audit.check(el, snap, kv_holders(scheduler))
+    except Exception as e:  # noqa: BLE001 - the handler must never raise
+        logger.exception("elastic KV audit: the check failed")
+        return [f"the audit check failed ({type(e).__name__}: {e})"]
