@@ -1191,9 +1191,7 @@ def build(
     if quant is not None and quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose from {QUANTS}")
     if quant is not None and arch not in QUANT_ARCHS[quant]:
-        raise ValueError(
-            f"--quant {quant} is written for {QUANT_ARCHS[quant]} only, not {arch!r}"
-        )
+        raise ValueError(f"--quant {quant} is written for {QUANT_ARCHS[quant]} only, not {arch!r}")
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
