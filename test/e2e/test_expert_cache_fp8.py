@@ -25,8 +25,9 @@ to the stock block at the layer level, so the no-cache server stands for all res
 Accuracy: the no-cache server's prompt logprobs against transformers float32 on the
 dequantized checkpoint (``quantize.dequantize_fp8_checkpoint``: the weights the server
 computes with) are as accurate as transformers' own bf16 of that checkpoint (mean |error|
-within 1.5x, max within 2x; measured over 399 tokens: DeepSeek-V3 mean 0.132 / 0.130, max
-2.07 / 1.94; Qwen3-MoE mean 0.065 / 0.068, max 0.47 / 0.42).
+within 1.2x, max within 2x; measured over 399 tokens: DeepSeek-V3 mean 0.132 / 0.130, max
+2.07 / 1.94; Qwen3-MoE mean 0.065 / 0.068, max 0.47 / 0.42). Without patch 0017 (upstream's
+per-tensor requantization of ``kv_b_proj``) DeepSeek-V3's mean was 0.168, 1.29x: outside.
 Upstream has no other FP8 MoE path on this CPU (no torch loop), so
 ``e2e_util.assert_as_accurate_as_torch_loop`` does not apply.
 """
@@ -81,7 +82,7 @@ def test_eight_slots_equal_all_resident(results):
 
 def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, results, tmp_path):
     """Prompt logprobs of the no-cache server (= the 8-slot server's, above) against
-    transformers float32 on the dequantized checkpoint: mean |error| within 1.5x and max
+    transformers float32 on the dequantized checkpoint: mean |error| within 1.2x and max
     within 2x of transformers bf16's on the same checkpoint (an independent bf16 stack; a
     wrong scale or a wrong attention path is many times that)."""
     import torch
@@ -112,5 +113,5 @@ def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, re
     )
     print(figures)
     assert theirs.mean() > 0, "transformers bf16 matched float32 exactly"
-    assert ours.mean() <= 1.5 * theirs.mean(), figures
+    assert ours.mean() <= 1.2 * theirs.mean(), figures
     assert ours.max() <= 2 * theirs.max(), figures
