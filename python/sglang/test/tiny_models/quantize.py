@@ -18,8 +18,9 @@ A block's scale is ``amax(|w|) / 448`` (448 = largest finite e4m3fn), rounded to
 so that the stored scale is the one the weights were divided by; blocks at the edge of a tensor
 whose size is not a multiple of 128 are partial, as upstream's loader expects (``ceil``).
 
-``fp8`` for ``deepseek_v3``: the layout of deepseek-ai/DeepSeek-V3 (and -V3.1, -R1), as its
-``README_WEIGHTS.md`` and ``inference/model.py`` describe it: the same 128 x 128 blocks over every
+``fp8`` for ``deepseek_v3``: the layout of deepseek-ai/DeepSeek-V3 (and R1, V3-0324), as its
+``README_WEIGHTS.md`` and ``inference/model.py`` describe it (V3.1 and later also declare
+``"scale_fmt": "ue8m0"``, power-of-two scales in the same float32 tensors; not written here): the same 128 x 128 blocks over every
 ``*_proj.weight`` of the decoder (MLA's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
 ``kv_b_proj``, ``o_proj``; the dense, routed and shared-expert MLPs), but
 
