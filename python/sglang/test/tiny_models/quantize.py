@@ -20,9 +20,10 @@ whose size is not a multiple of 128 are partial, as upstream's loader expects (`
 
 ``fp8`` for ``deepseek_v3``: the layout of deepseek-ai/DeepSeek-V3 (and R1, V3-0324), as its
 ``README_WEIGHTS.md`` and ``inference/model.py`` describe it (V3.1 and later also declare
-``"scale_fmt": "ue8m0"``, power-of-two scales in the same float32 tensors; not written here): the same 128 x 128 blocks over every
-``*_proj.weight`` of the decoder (MLA's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
-``kv_b_proj``, ``o_proj``; the dense, routed and shared-expert MLPs), but
+``"scale_fmt": "ue8m0"``, power-of-two scales in the same float32 tensors; not written here):
+the same 128 x 128 blocks over every projection of the decoder (MLA's ``q_a_proj``,
+``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``; the dense, routed and
+shared-expert MLPs), but
 
 * ``weight_scale_inv`` stored in **float32** (the block scale is ``amax / 448`` in float32, not
   rounded to bfloat16);
