@@ -31,6 +31,7 @@ DEFAULT_MODELS = {
     "mixtral": "mixtral-tiny",
     "olmoe": "olmoe-tiny",
     "deepseek_v3": "deepseek-v3-tiny",
+    "deepseek_v3_fp8": "deepseek-v3-fp8-tiny",
     "gpt_oss": "gpt-oss-tiny",
     "gemma4": "gemma4-moe-tiny",
     "llama4": "llama4-moe-tiny",
@@ -39,6 +40,7 @@ DEFAULT_MODELS = {
 QUANTIZED = {
     "qwen3_moe_fp8": ("qwen3_moe", "fp8"),
     "qwen3_moe_nvfp4": ("qwen3_moe", "nvfp4"),
+    "deepseek_v3_fp8": ("deepseek_v3", "fp8"),
 }
 
 

@@ -1,8 +1,14 @@
-"""The real server on the tiny block-FP8 Qwen3-MoE (``tiny_models --quant fp8``: the tensor
-names, dtypes, 128 x 128 ``weight_scale_inv`` and ``quantization_config`` of the official
-Qwen3-30B-A3B-FP8 release), on a CPU without AMX.
+"""The real server on the tiny block-FP8 models, on a CPU without AMX, parametrized over two
+releases' layouts (``tiny_models --quant fp8``):
 
-Two servers (each start costs ~45 s on a 2-core machine):
+* ``qwen3_moe_fp8``: the tensor names, dtypes, bf16 128 x 128 ``weight_scale_inv`` and
+  ``quantization_config`` of the official Qwen3-30B-A3B-FP8 release;
+* ``deepseek_v3_fp8``: deepseek-ai/DeepSeek-V3's (float32 scales, every MLA projection FP8,
+  no ``modules_to_not_convert``): MLA with a block-FP8 ``kv_b_proj`` (dequantized before the
+  ``w_kc`` / ``w_vc`` split, patch 0017) on ``torch_native`` (absorbed MLA forward, patch 0018),
+  ``noaux_tc`` grouped routing, ``routed_scaling_factor`` 2.5, a shared expert.
+
+Two servers per model (each start costs ~45 s on a 2-core machine):
 
 * no cache: upstream's ``Fp8MoEMethod``, which upstream refuses on a CPU without AMX; with
   patch 0003 the dense FP8 linears are dequantized to bf16 at load and the FP8 experts run on
@@ -16,31 +22,54 @@ Checked: the no-cache server serves (its log says the dense linears were dequant
 (token, expert) entry runs the same FP8 kernel from a slot, the host pool or the resident
 layer; ``test/expert_cache/test_fp8_moe_layer.py`` shows the all-resident cache bit-identical
 to the stock block at the layer level, so the no-cache server stands for all resident here).
-Accuracy against a float64 dequantized reference is checked at the layer level
-(``test_fp8_moe_layer.py``): upstream has no other FP8 MoE path on this CPU (no torch loop),
-so ``e2e_util.assert_as_accurate_as_torch_loop`` does not apply.
+Accuracy: the no-cache server's prompt logprobs against transformers float32 on the
+dequantized checkpoint (``quantize.dequantize_fp8_checkpoint``: the weights the server
+computes with) are as accurate as transformers' own bf16 of that checkpoint (mean |error|
+within 1.2x, max within 2x; measured over 399 tokens: DeepSeek-V3 mean 0.132 / 0.130, max
+2.07 / 1.94; Qwen3-MoE mean 0.065 / 0.068, max 0.47 / 0.42). Without patch 0017 (upstream's
+per-tensor requantization of ``kv_b_proj``) DeepSeek-V3's mean was 0.168, 1.29x: outside.
+Upstream has no other FP8 MoE path on this CPU (no torch loop), so
+``e2e_util.assert_as_accurate_as_torch_loop`` does not apply.
 """
 
 from __future__ import annotations
 
+import pytest
+from conftest import model_path
 from e2e_util import (
     CACHE_SLOTS8,
     assert_identical_outputs,
     assert_split_happened,
+    random_prompts,
     results_fixture,
 )
 
-ARCH = "qwen3_moe_fp8"
 NEW_TOKENS = 16
 # "stock": no cache; "slots8": one layer's top-k with qstar (its counters: "slots8_metrics")
-results = results_fixture(ARCH, {"stock": ((), None), "slots8": (CACHE_SLOTS8, None)}, NEW_TOKENS)
+CONFIGS = {"stock": ((), None), "slots8": (CACHE_SLOTS8, None)}
+qwen3_moe_fp8 = results_fixture("qwen3_moe_fp8", CONFIGS, NEW_TOKENS)
+deepseek_v3_fp8 = results_fixture("deepseek_v3_fp8", CONFIGS, NEW_TOKENS)
+HF_CLASS = {"qwen3_moe_fp8": "Qwen3MoeForCausalLM", "deepseek_v3_fp8": "DeepseekV3ForCausalLM"}
 
 
-def test_fp8_serves_without_the_cache(results):
+@pytest.fixture(params=tuple(HF_CLASS))
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def results(arch, request):
+    return request.getfixturevalue(arch)
+
+
+def test_fp8_serves_without_the_cache(arch, results):
     outs = results("stock")
     assert [len(o["tokens"]) for o in outs] == [NEW_TOKENS] * len(outs)
     assert all(lp <= 0 for o in outs for lp in o["in_lp"] + o["out_lp"])
-    assert "dense FP8 linears are dequantized to torch.bfloat16 at load" in results("stock_log")
+    log = results("stock_log")
+    assert "dense FP8 linears are dequantized to torch.bfloat16 at load" in log
+    if arch == "deepseek_v3_fp8":
+        assert "MLA kv_b_proj: block FP8 dequantized to bf16 at load" in log
 
 
 def test_eight_slots_equal_all_resident(results):
@@ -48,3 +77,41 @@ def test_eight_slots_equal_all_resident(results):
     got = results("slots8")
     assert_identical_outputs(stock, got)
     assert_split_happened(results("slots8_metrics"), slots=8)
+    assert "routed fp8-block experts" in results("slots8_log")
+
+
+def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, results, tmp_path):
+    """Prompt logprobs of the no-cache server (= the 8-slot server's, above) against
+    transformers float32 on the dequantized checkpoint: mean |error| within 1.2x and max
+    within 2x of transformers bf16's on the same checkpoint (an independent bf16 stack; a
+    wrong scale or a wrong attention path is many times that)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang.test.tiny_models.quantize import dequantize_fp8_checkpoint
+
+    deq = dequantize_fp8_checkpoint(model_path(arch), tmp_path / "deq")
+    hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    assert type(hf).__name__ == HF_CLASS[arch]
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.bfloat16).eval()
+    outs = results("stock")
+    ours, theirs = [], []
+    for i, ids in enumerate(random_prompts()):
+        with torch.no_grad():
+            lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+            lpb = hf_bf16(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+        pos = torch.arange(1, len(ids))
+        tok = torch.tensor(ids[1:])
+        ref, ref_bf16 = lp[pos - 1, tok], lpb[pos - 1, tok]
+        ours.append((torch.tensor(outs[i]["in_lp"]) - ref).abs())
+        theirs.append((ref_bf16 - ref).abs())
+    ours, theirs = torch.cat(ours), torch.cat(theirs)
+    figures = (
+        f"{arch}: |logprob error| vs float32 over {ours.numel()} tokens: mean server "
+        f"{ours.mean():.4f} / transformers bf16 {theirs.mean():.4f}, max {ours.max():.4f} / "
+        f"{theirs.max():.4f}"
+    )
+    print(figures)
+    assert theirs.mean() > 0, "transformers bf16 matched float32 exactly"
+    assert ours.mean() <= 1.2 * theirs.mean(), figures
+    assert ours.max() <= 2 * theirs.max(), figures

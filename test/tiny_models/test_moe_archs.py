@@ -163,3 +163,101 @@ def test_transformers_loads_every_tensor_and_routes_as_configured(built):
     chosen = torch.topk(logits.reshape(-1, e), k, dim=-1).indices.unique()
     assert chosen.numel() > e // 2  # routing spreads over the experts
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.fixture(scope="module")
+def dsv3_fp8(tm, tmp_path_factory):
+    """(bf16 twin, ``--quant fp8``) folders of the DeepSeek-V3-style model."""
+    root = tmp_path_factory.mktemp("dsv3")
+    return tm.build("deepseek_v3", root / "bf16"), tm.build(
+        "deepseek_v3", root / "fp8", quant="fp8"
+    )
+
+
+def test_deepseek_v3_fp8_follows_the_release(dsv3_fp8):
+    """deepseek-ai/DeepSeek-V3's block-FP8 layout (README_WEIGHTS.md, inference/model.py):
+    every decoder projection, MLA's included, float8_e4m3fn beside a float32
+    ``weight_scale_inv`` of [ceil(N/128), ceil(K/128)]; the router, embeddings, lm_head and
+    every norm bf16, the correction bias float32; the release's four quantization keys."""
+    from safetensors import safe_open
+
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    bf16, fp8 = dsv3_fp8
+    ref, names = _names(bf16), _names(fp8)
+    proj = {n for n in ref if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))}
+    assert names.keys() == ref.keys() | {n + "_scale_inv" for n in proj}
+    a, m = "model.layers.0.self_attn.", "model.layers.1.mlp."
+    for w in (
+        a + "q_a_proj",
+        a + "q_b_proj",
+        a + "kv_a_proj_with_mqa",
+        a + "kv_b_proj",
+        a + "o_proj",
+        "model.layers.0.mlp.gate_proj",  # the dense first layer
+        m + "shared_experts.down_proj",
+        m + "experts.63.up_proj",
+    ):
+        assert names[w + ".weight"] == "F8_E4M3", w
+        assert names[w + ".weight_scale_inv"] == "F32", w
+    for n in names.keys() - proj:
+        if not n.endswith("_scale_inv"):
+            assert names[n] == ref[n], n  # as in the bf16 twin
+    assert names[m + "gate.weight"] == names[a + "kv_a_layernorm.weight"] == "BF16"
+    assert names[a + "q_a_layernorm.weight"] == names["lm_head.weight"] == "BF16"
+    assert names[m + "gate.e_score_correction_bias"] == "F32"
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as f:
+        for n in proj:
+            r, c = f.get_slice(n).get_shape()
+            assert f.get_slice(n + "_scale_inv").get_shape() == [-(-r // 128), -(-c // 128)], n
+    raw = json.loads((fp8 / "config.json").read_text())
+    q = raw["quantization_config"]
+    assert q == {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+    assert not Fp8Config.from_config(q).ignored_layers
+    # q_a_proj ends on a block boundary (upstream fuses it with kv_a_proj_with_mqa by rows)
+    assert raw["q_lora_rank"] % 128 == 0
+    twin = json.loads((bf16 / "config.json").read_text())
+    assert {k: v for k, v in raw.items() if k != "quantization_config"} == twin
+
+
+def test_deepseek_v3_fp8_dequantized_is_the_twin_within_e4m3(tm, dsv3_fp8, tmp_path):
+    """The oracle's checkpoint (``dequantize_fp8_checkpoint``): the bf16 twin's weights within
+    e4m3's rounding, and transformers loads it with nothing missing or unexpected."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from sglang.test.tiny_models.quantize import dequantize_fp8_checkpoint
+
+    bf16, fp8 = dsv3_fp8
+    deq = dequantize_fp8_checkpoint(fp8, tmp_path / "deq")
+    got = load_file(str(deq / "model.safetensors"))
+    ref = load_file(str(bf16 / "model.safetensors"))
+    scales = load_file(str(fp8 / "model.safetensors"))
+    assert got.keys() == ref.keys()
+    for n in (
+        "model.layers.2.self_attn.kv_b_proj.weight",
+        "model.layers.3.mlp.experts.5.down_proj.weight",
+    ):
+        w, r = got[n].double(), ref[n].double()
+        assert got[n].dtype == torch.float32
+        # e4m3: |err| <= 2^-4 |w| for normal values, plus the subnormal step (2^-9 of the
+        # block's scale) near zero
+        s = scales[n + "_scale_inv"].double()
+        step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: r.shape[0], : r.shape[1]]
+        assert ((w - r).abs() <= 2**-4 * r.abs() + 2**-9 * step).all(), n
+        assert (w - r).abs().max() > 0, n  # really quantized
+    gate = "model.layers.1.mlp.gate.weight"
+    assert torch.equal(got[gate], ref[gate])
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(deq), dtype=torch.float32, output_loading_info=True
+    )
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    bad = ("missing_keys", "mismatched_keys", "unexpected_keys")
+    assert not any(info.get(k) for k in bad), info
+    with pytest.raises(ValueError, match="not block fp8"):
+        dequantize_fp8_checkpoint(bf16, tmp_path / "x")

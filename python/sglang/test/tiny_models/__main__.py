@@ -28,7 +28,8 @@ def main(argv=None) -> int:
         "--quant",
         choices=QUANTS,
         default=None,
-        help="write a released quantized layout (fp8: block FP8 as Qwen's -FP8 releases; nvfp4: "
+        help="write a released quantized layout (fp8: block FP8 as Qwen's -FP8 releases, or "
+        "DeepSeek-V3's for --arch deepseek_v3; nvfp4: "
         "ModelOpt NVFP4 as NVIDIA's -FP4 releases)",
     )
     parser.add_argument(

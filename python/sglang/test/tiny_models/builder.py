@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from . import tokenizer as tok_mod
-from .quantize import QUANTS, quantize_state
+from .quantize import QUANT_ARCHS, QUANTS, quantize_state
 
 DEFAULT_ARCH = "qwen3_next"
 DEFAULT_SEED = 0
@@ -94,8 +94,11 @@ MIXTRAL_EXPERT_INTERMEDIATE = 256
 # with their RMSNorms, decoupled RoPE dims with YaRN scaling), first layer dense, sigmoid
 # grouped top-k with e_score_correction_bias (noaux_tc), routed_scaling_factor 2.5, one shared
 # expert. Release shapes: kv_lora_rank 512, q_lora_rank 1536, rope/nope/v head dims 64/128/128.
+# q_lora_rank is a multiple of 128 as in the release: upstream loads q_a_proj and
+# kv_a_proj_with_mqa into one fused linear by concatenating rows and (block FP8) their
+# weight_scale_inv rows, which is right only when q_a_proj ends on a 128-row block boundary.
 DSV3_KV_LORA_RANK = 64
-DSV3_Q_LORA_RANK = 96
+DSV3_Q_LORA_RANK = 128
 DSV3_QK_ROPE_HEAD_DIM = 32
 DSV3_QK_NOPE_HEAD_DIM = 64
 DSV3_V_HEAD_DIM = 64
@@ -112,9 +115,6 @@ ARCHS = (
     "gemma4",
     "llama4",
 )
-# Architectures whose quantized releases the quantizer reproduces (Qwen3-30B-A3B-FP8's and
-# nvidia/Qwen3-30B-A3B-FP4's layouts).
-QUANT_ARCHS = ("qwen3_moe",)
 
 # Released models' layer shapes at the tiny model's depth (4 layers) and tokenizer, for
 # benchmarks that need real bytes per token (benchmark/cpu_decode.py): {name: (arch, config
@@ -1176,7 +1176,8 @@ def build(
 
     ``quant`` (None = bf16) writes the checkpoint in a released quantized layout instead
     (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``"nvfp4"``,
-    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases; ``qwen3_moe`` only). ``shape`` (a key of
+    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases; ``fp8`` also for ``deepseek_v3``, in
+    deepseek-ai/DeepSeek-V3's layout; the archs of :data:`.quantize.QUANT_ARCHS`). ``shape`` (a key of
     :data:`SHAPES`) builds a released model's layer sizes instead of the tiny ones. Raises
     ValueError for an unknown arch, quant or shape, or a quant or shape the arch does not have.
 
@@ -1189,8 +1190,8 @@ def build(
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
     if quant is not None and quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose from {QUANTS}")
-    if quant is not None and arch not in QUANT_ARCHS:
-        raise ValueError(f"--quant {quant} is written for {QUANT_ARCHS} only, not {arch!r}")
+    if quant is not None and arch not in QUANT_ARCHS[quant]:
+        raise ValueError(f"--quant {quant} is written for {QUANT_ARCHS[quant]} only, not {arch!r}")
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:

@@ -25,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _logged = False
+_logged_kv_b = False
 
 
 def dequantize_linear(layer: torch.nn.Module, weight_block_size) -> None:
@@ -106,3 +107,25 @@ def name_scale_errors(layer: torch.nn.Module) -> None:
             ) from e
 
     scale._weight_loader = load
+
+
+def dequantize_mla_kv_b() -> bool:
+    """Whether DeepSeek's ``post_load_weights`` should dequantize a block-FP8 ``kv_b_proj``
+    to bf16 before splitting it into MLA's absorbed ``w_kc`` / ``w_vc`` (patch
+    ``0017-deepseek-mla-fp8-cpu``): True on a CPU without AMX.
+
+    There upstream took its generic branch, ``block_quant_to_tensor_quant``: the block-FP8
+    weight requantized to FP8 with one scale per tensor (a second rounding, up to e4m3's
+    relative step on every block whose scale is not the largest), then ``w_kc.to(bf16) *
+    w_scale`` at every attention call. Dequantized once (``fp8_utils.block_quant_dequant``,
+    as upstream's CUDA branch does for 128 x 128 blocks), the weights are the checkpoint's and
+    the absorbed matmuls are plain bf16 ``torch.bmm``.
+    """
+    global _logged_kv_b
+    from sglang.srt.utils import cpu_has_amx_support, is_cpu
+
+    wanted = is_cpu() and not cpu_has_amx_support()
+    if wanted and not _logged_kv_b:
+        _logged_kv_b = True
+        logger.info("MLA kv_b_proj: block FP8 dequantized to bf16 at load (CPU without AMX)")
+    return wanted
