@@ -241,6 +241,7 @@ def _concurrent_streams(url: str, prompts: list[list[int]], during=None) -> list
                 if end == "[DONE]":
                     break
                 chunk = json.loads(end)
+                assert "error" not in chunk, chunk  # the server's message, not a KeyError
                 i = int(chunk.get("index", 0))
                 last[i] = chunk["output_ids"]
                 streams[i].started.set()

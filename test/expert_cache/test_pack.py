@@ -275,6 +275,9 @@ def test_routed_expert_names():
         "language_model.model.layers.3.feed_forward.shared_expert.down_proj.weight", {3}
     )
     assert not is_routed_expert("model.language_model.layers.3.router.per_expert_scale", {3})
+    assert is_routed_expert("model.layers.3.mlp.experts.down_proj", {3})
+    assert not is_routed_expert("model.layers.3.mlp.experts.input_projection.weight", {3})
+    assert not is_routed_expert("model.layers.3.mlp.experts.w13_weight", {3})
 
 
 def test_checkpoint_load_progress_logged_once(caplog):

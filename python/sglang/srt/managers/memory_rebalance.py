@@ -332,9 +332,10 @@ def handle_rebalance_memory(scheduler, req):
         snap = audit_snapshot(scheduler, el)  # None unless SGLANG_ELASTIC_KV_AUDIT=1
         try:
             r = el.resize(target, reserve_tokens=reserve)
-        finally:  # the scheduler's copies follow the pool, whatever happened
+        finally:  # the scheduler's copies follow the pool, whatever happened; a resize that
+            # failed and rolled back is audited too
             publish_size(scheduler, el.size)
-        audit_problems.extend(audit_check(scheduler, el, snap))
+            audit_problems.extend(audit_check(scheduler, el, snap))
         return r["released_bytes"], r
 
     try:
@@ -361,6 +362,8 @@ def handle_rebalance_memory(scheduler, req):
         msg = (str(e) if known else f"{type(e).__name__}: {e}") + (
             f"; undone: {', '.join(undo)}" if undo else ""
         )
+        if audit_problems:
+            msg += "; KV audit: " + "; ".join(audit_problems)
         refused = isinstance(e, (KVResizeRefused, RebalanceRefused))
         return reply(HTTPStatus.BAD_REQUEST if refused else HTTPStatus.INTERNAL_SERVER_ERROR, msg)
     extra["time_ms"] = (time.perf_counter() - t0) * 1e3

@@ -9,6 +9,20 @@ from typing import Iterable, List
 import torch
 
 
+def free_pages(alloc) -> torch.Tensor:
+    """Every page the allocator ``alloc`` holds as free, int64 [n]: its free list, the pages
+    it staged and those it has yet to release (upstream's paged allocator keeps all three)."""
+    return torch.cat(
+        [alloc.free_pages.to(torch.int64)]
+        + [p.to(torch.int64) for p in getattr(alloc, "staged_pages", [])]
+        + (
+            [alloc.release_pages.to(torch.int64)]
+            if getattr(alloc, "release_pages", None) is not None
+            else []
+        )
+    )
+
+
 def kv_accounting_problems(elastic, reqs: Iterable) -> List[str]:
     """What is wrong with the allocator's counts against the tree and the requests.
 
@@ -23,16 +37,7 @@ def kv_accounting_problems(elastic, reqs: Iterable) -> List[str]:
     """
     ps = elastic.page_size
     pages = elastic.size // ps
-    alloc = elastic.allocator
-    free = torch.cat(
-        [alloc.free_pages.to(torch.int64)]
-        + [p.to(torch.int64) for p in getattr(alloc, "staged_pages", [])]
-        + (
-            [alloc.release_pages.to(torch.int64)]
-            if getattr(alloc, "release_pages", None) is not None
-            else []
-        )
-    )
+    free = free_pages(elastic.allocator)
     problems: List[str] = []
     if len(torch.unique(free)) != len(free):
         problems.append(f"the free list has {len(free) - len(torch.unique(free))} duplicate pages")

@@ -27,6 +27,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from sglang.srt.mem_cache.elastic_kv import tree_values
+from sglang.srt.mem_cache.elastic_kv.accounting import free_pages
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def check(el, snap: Optional[Snapshot], reqs: Iterable) -> List[str]:
     if snap is None:
         return []
     problems: List[str] = []
-    free = el.allocator.free_pages.to(torch.int64)
+    free = free_pages(el.allocator)
     now = {str(r.rid): r for r in reqs}
     for rid, (row, old, kv) in snap.reqs.items():
         req = now.get(rid)

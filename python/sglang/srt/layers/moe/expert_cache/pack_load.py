@@ -13,9 +13,10 @@ path; ``off`` disables packs) or else ``<model folder>/sglang-expert-pool.pack``
 2. reader threads fill the host banks from the pack (:func:`pack_io.read_pack`: ``O_DIRECT``,
    checksums verified in the reader threads) while the weight stream goes on with every
    tensor but the routed experts of the cache's layers (checkpoint names
-   ``layers.<l>. ... .experts.<e>.``, or ``layers.<l>. ... .experts.<...>proj...`` where a
-   checkpoint fuses a layer's experts in one tensor: :data:`ROUTED_EXPERT`). Upstream's
-   safetensors iterators map the files, so a skipped tensor's bytes are never read (with ``--weight-loader-disable-mmap`` or checkpoint
+   ``layers.<l>. ... .experts.<e>.``, or ``layers.<l>. ... .experts.gate_up_proj...`` /
+   ``down_proj...`` where a checkpoint fuses a layer's experts in one tensor:
+   :data:`ROUTED_EXPERT`). Upstream's safetensors iterators map the files, so a skipped
+   tensor's bytes are never read (with ``--weight-loader-disable-mmap`` or checkpoint
    prefetch upstream reads them anyway; they are still not written into the pool);
 3. when the stream ends, the reads are joined. If a chunk failed its checksum, the skipped
    expert tensors (still mapped, not read) are fed to the model after all, so the server
@@ -53,7 +54,10 @@ logger = logging.getLogger(__name__)
 # ("...layers.<layer>.<...>.experts.gate_up_proj[_blocks|_scales|_bias]", "...experts.down_proj":
 # gpt-oss, Gemma 4, Llama 4 as transformers saves them). A shared expert ("shared_expert.",
 # "shared_experts.") is neither.
-ROUTED_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.(?:\d+\.|\w*proj)")
+ROUTED_EXPERT = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\."
+    r"(?:\d+\.|(?:gate_up|gate|up|down)_proj(?:_(?:blocks|scales|bias))?(?:\.|$))"
+)
 READ_THREADS_ENV = "SGLANG_EXPERT_CACHE_PACK_THREADS"
 
 
