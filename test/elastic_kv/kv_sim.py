@@ -300,3 +300,22 @@ class SchedulerStandIn:
         if not self.sim.last_prefill:
             return None
         return SimpleNamespace(reqs=list(self.sim.last_prefill), forward_mode=ForwardMode.EXTEND)
+
+
+def busy_sim(page_size: int, core: str, seed: int = 0) -> "KVSim":
+    """A pool with running requests and cached prefixes spread over all its pages: 30 seeded
+    admit / decode / finish steps on a 96-token pool (largest 128)."""
+    import random
+
+    sim = KVSim(kv_tokens=96, max_tokens=128, page_size=page_size, tree_core=core)
+    rng = random.Random(seed)
+    for _ in range(30):
+        op = rng.random()
+        if op < 0.45 or not sim.running:
+            sim.admit(random_prompt(rng))
+        elif op < 0.8:
+            sim.decode(rng.choice(sim.running), rng.randint(20, 60))
+        else:
+            sim.finish(rng.choice(sim.running))
+    assert sim.running and sim.tree_tokens()
+    return sim

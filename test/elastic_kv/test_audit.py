@@ -6,28 +6,12 @@ injected after the real one), also through the ``/rebalance_memory`` handler (a 
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 from kv_sim import KVSim
-from kv_sim import random_prompt as _prompt
+from kv_sim import busy_sim as _busy_sim
 
 from sglang.srt.mem_cache.elastic_kv import audit, tree_values
-
-
-def _busy_sim(page_size: int, core: str, seed: int) -> KVSim:
-    sim = KVSim(kv_tokens=96, max_tokens=128, page_size=page_size, tree_core=core)
-    rng = random.Random(seed)
-    for _ in range(30):
-        op = rng.random()
-        if op < 0.45 or not sim.running:
-            sim.admit(_prompt(rng))
-        elif op < 0.8:
-            sim.decode(rng.choice(sim.running), rng.randint(20, 60))
-        else:
-            sim.finish(rng.choice(sim.running))
-    assert sim.running and sim.tree_tokens()
-    return sim
 
 
 def _holders(sim: KVSim):

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_sim import KVSim
+from kv_sim import busy_sim as _busy_sim
 from kv_sim import random_prompt as _prompt
 
 from sglang.srt.mem_cache.elastic_kv.backing import HostKVBacking
@@ -100,22 +101,6 @@ TestElasticKVMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-def _busy_sim(page_size: int, core: str, seed: int = 0) -> KVSim:
-    """A pool with running requests and cached prefixes spread over all its pages."""
-    sim = KVSim(kv_tokens=96, max_tokens=128, page_size=page_size, tree_core=core)
-    rng = random.Random(seed)
-    for _ in range(30):
-        op = rng.random()
-        if op < 0.45 or not sim.running:
-            sim.admit(_prompt(rng))
-        elif op < 0.8:
-            sim.decode(rng.choice(sim.running), rng.randint(20, 60))
-        else:
-            sim.finish(rng.choice(sim.running))
-    assert sim.running and sim.tree_tokens()
-    return sim
 
 
 def _state(sim: KVSim):
