@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import threading
 import time
@@ -65,7 +64,6 @@ def parse_args(argv=None):
 def _one(url: str, ids, new_tokens: int, out: list, i: int) -> None:
     t0 = time.perf_counter()
     ttft = None
-    meta = {}
     r = requests.post(
         url + "/generate",
         json={
@@ -89,7 +87,6 @@ def _one(url: str, ids, new_tokens: int, out: list, i: int) -> None:
         if ttft is None:
             ttft = time.perf_counter() - t0
         tokens = chunk["output_ids"]
-        meta = chunk["meta_info"]
     out[i] = dict(ttft=ttft, tokens=tokens)
 
 
@@ -133,11 +130,17 @@ def run_mode(model, mode: str, args, long_prompts, short_prompts, alone):
         log = srv.log.read_text(errors="replace")
     finally:
         srv.stop()
-    moves = [line.split("expert-cache rebalance auto: ", 1)[1] for line in log.splitlines()
-             if "expert-cache rebalance auto: " in line and "->" in line]
+    moves = [
+        line.split("expert-cache rebalance auto: ", 1)[1]
+        for line in log.splitlines()
+        if "expert-cache rebalance auto: " in line and "->" in line
+    ]
     inactive = [line for line in log.splitlines() if "rebalance auto is inactive" in line]
-    queued = [int(line.rsplit("#queue-req: ", 1)[1].split(",")[0]) for line in log.splitlines()
-              if "Prefill batch" in line and "#queue-req: " in line]
+    queued = [
+        int(line.rsplit("#queue-req: ", 1)[1].split(",")[0])
+        for line in log.splitlines()
+        if "Prefill batch" in line and "#queue-req: " in line
+    ]
     return dict(
         res=res,
         alone=alone_ttft,
@@ -167,9 +170,7 @@ def main(argv=None) -> int:
     short_prompts = [
         [rng.randint(10, 2000) for _ in range(args.short_len)] for _ in range(args.short)
     ]
-    alone = [
-        [rng.randint(10, 2000) for _ in range(n)] for n in (args.long_len, args.short_len)
-    ]
+    alone = [[rng.randint(10, 2000) for _ in range(n)] for n in (args.long_len, args.short_len)]
     model = server.ensure_model("qwen3_moe")
     runs = {
         m: run_mode(model, m, args, long_prompts, short_prompts, alone) for m in ("off", "auto")
@@ -198,9 +199,7 @@ def main(argv=None) -> int:
         )
         for line in r["moves"] + r["inactive"]:
             print(f"  {mode}: {line}")
-    same = all(
-        a["tokens"] == b["tokens"] for a, b in zip(runs["off"]["res"], runs["auto"]["res"])
-    )
+    same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["off"]["res"], runs["auto"]["res"]))
     print(f"greedy tokens identical auto vs off: {same} (batches differ between the modes)")
     t_auto = [x["ttft"] for x in runs["auto"]["res"]]
     t_off = [x["ttft"] for x in runs["off"]["res"]]

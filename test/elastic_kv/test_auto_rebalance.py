@@ -199,7 +199,10 @@ def test_a_kv_starved_queue_takes_slots_and_calm_gives_them_back(served, caplog)
     assert sched.max_total_num_tokens == sim.elastic.size  # the scheduler's copy followed
     taken = (slots0 - cache.num_slots) * cache.host.expert_bytes
     assert (sim.elastic.size - kv0) * sim.elastic.token_bytes <= taken
-    assert any("KV grows" in r.message and f"{slots0} -> {cache.num_slots}" in r.message for r in caplog.records)
+    assert any(
+        "KV grows" in r.message and f"{slots0} -> {cache.num_slots}" in r.message
+        for r in caplog.records
+    )
     assert sim.accounting() == [] and sim.kv_problems() == []
     # the queue drains; the pool stays mostly free: the slots come back
     sched.waiting_queue = []

@@ -127,7 +127,9 @@ class AutoRebalancePolicy:
     def __post_init__(self) -> None:
         problems = []
         if self.grow_after < 1 or self.shrink_after < 1:
-            problems.append(f"grow_after and shrink_after must be >= 1 ({self.grow_after}, {self.shrink_after})")
+            problems.append(
+                f"grow_after and shrink_after must be >= 1 ({self.grow_after}, {self.shrink_after})"
+            )
         if self.cooldown < 0:
             problems.append(f"cooldown must be >= 0 ({self.cooldown})")
         if self.step_slots < 1:
