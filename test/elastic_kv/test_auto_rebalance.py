@@ -72,6 +72,20 @@ def test_pressure_grows_kv_in_pages_after_the_streak_then_cools_down():
     assert p.step(obs) is not None
 
 
+def test_a_burst_grows_by_its_shortfall_capped_at_a_share_of_the_spare_slots():
+    p = AutoRebalancePolicy(grow_after=1, step_slots=4, max_grow_share=0.5)
+    # 1000 tokens short: 10 slots (above step_slots, below half of the 32 spare)
+    move = p.step(_obs(kv_blocked=5, kv_shortfall=1000))
+    assert move.slots == 30 and move.kv_tokens == 1024 + 992  # 1000 tokens, down to pages
+    # 10000 short: capped at half the 32 slots above the floor
+    p = AutoRebalancePolicy(grow_after=1, step_slots=4, max_grow_share=0.5)
+    move = p.step(_obs(kv_blocked=5, kv_shortfall=10000))
+    assert move.slots == 40 - 16
+    # a small shortfall still moves step_slots
+    p = AutoRebalancePolicy(grow_after=1, step_slots=4)
+    assert p.step(_obs(kv_blocked=1, kv_shortfall=10)).slots == 36
+
+
 def test_retractions_count_as_pressure():
     p = AutoRebalancePolicy(grow_after=1, step_slots=2)
     move = p.step(_obs(retracted=2))
@@ -154,6 +168,8 @@ def test_bad_settings_are_refused():
         AutoRebalancePolicy(low_water=0.6, high_water=0.5)
     with pytest.raises(ValueError, match="grow_after"):
         AutoRebalancePolicy(grow_after=0)
+    with pytest.raises(ValueError, match="max_grow_share"):
+        AutoRebalancePolicy(max_grow_share=0)
 
 
 # -------------------------------------------------------------- the scheduler glue (KVSim)

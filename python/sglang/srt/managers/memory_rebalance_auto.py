@@ -57,6 +57,8 @@ class Observation:
             the last explicit rebalance).
         tokens_per_slot: bytes of one expert slot / bytes of one KV token (over all layers):
             how many KV tokens one slot's memory holds.
+        kv_shortfall: KV tokens the blocked waiting requests need beyond the free tokens (0
+            when none is blocked): what would admit the whole queue.
     """
 
     kv_blocked: int
@@ -70,6 +72,7 @@ class Observation:
     slot_floor: int
     slot_ceiling: int
     tokens_per_slot: float
+    kv_shortfall: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,10 @@ class AutoRebalancePolicy:
        streaks stay at zero.
     2. KV pressure (``kv_blocked > 0`` or ``retracted > 0``): the pressure streak grows and the
        calm streak resets. After ``grow_after`` consecutive pressure checks, KV grows by taking
-       ``step_slots`` slots (fewer near the floor): the slots' bytes become KV tokens, rounded
+       ``step_slots`` slots, or the slots the queue's ``kv_shortfall`` needs when more, but at
+       most ``max_grow_share`` of the slots above the floor (fast attack, slow release: a burst
+       is admitted in a few moves, slots come back ``step_slots`` at a time; fewer near the
+       floor): the slots' bytes become KV tokens, rounded
        down to pages and capped at ``kv_ceiling``; only the slots those pages need are taken
        (``ceil(tokens / tokens_per_slot)``), so the move never adds bytes. Never below
        ``slot_floor``.
@@ -120,6 +126,7 @@ class AutoRebalancePolicy:
     high_water: float = 0.5
     low_water: float = 0.25
     step_slots: int = 8
+    max_grow_share: float = 0.5
     pressure_streak: int = 0
     calm_streak: int = 0
     cooldown_left: int = 0
@@ -134,6 +141,8 @@ class AutoRebalancePolicy:
             problems.append(f"cooldown must be >= 0 ({self.cooldown})")
         if self.step_slots < 1:
             problems.append(f"step_slots must be >= 1 ({self.step_slots})")
+        if not 0 < self.max_grow_share <= 1:
+            problems.append(f"max_grow_share must be in (0, 1] ({self.max_grow_share})")
         if not 0 <= self.low_water < self.high_water <= 1:
             problems.append(
                 f"need 0 <= low_water < high_water <= 1 ({self.low_water}, {self.high_water})"
@@ -172,9 +181,12 @@ class AutoRebalancePolicy:
 
     def _grow_kv(self, obs: Observation) -> Optional[Move]:
         ps = max(1, obs.page_size)
-        take = min(self.step_slots, obs.slots - obs.slot_floor)
-        if take <= 0 or obs.tokens_per_slot <= 0:
+        spare = obs.slots - obs.slot_floor
+        if spare <= 0 or obs.tokens_per_slot <= 0:
             return None
+        wanted = math.ceil(max(0, obs.kv_shortfall) / obs.tokens_per_slot)
+        take = max(self.step_slots, min(wanted, math.ceil(self.max_grow_share * spare)))
+        take = min(take, spare)
         tokens = int(take * obs.tokens_per_slot) // ps * ps
         tokens = min(tokens, (obs.kv_ceiling - obs.kv_tokens) // ps * ps)
         if tokens <= 0:
@@ -241,7 +253,8 @@ def observe(scheduler, el, cache, slot_ceiling: int) -> Observation:
     head needs its prompt plus ``min(max_new_tokens, CLIP_MAX_NEW_TOKENS)`` tokens, and the
     free tokens are the allocator's free plus the prefix cache's evictable tokens less the
     running requests' remaining decode tokens times ``new_token_ratio``; when the head does
-    not fit, every waiting request counts. ``retracted``: waiting requests whose
+    not fit, every waiting request counts, and ``kv_shortfall`` is what the whole queue needs
+    beyond the free tokens (each request's need as the head's). ``retracted``: waiting requests whose
     ``is_retracted`` is set (upstream sets it when ``retract_decode`` put them back for lack
     of KV pages, and clears it when they are admitted again)."""
     from sglang.srt.mem_cache.elastic_kv.scheduler_glue import reserve_tokens
@@ -249,7 +262,7 @@ def observe(scheduler, el, cache, slot_ceiling: int) -> Observation:
     waiting = list(getattr(scheduler, "waiting_queue", None) or [])
     size = el.size
     free = int(el.allocator.available_size()) + el.evictable_tokens()
-    blocked = 0
+    blocked = shortfall = 0
     if waiting:
         clip = _clip_max_new_tokens()
         ratio = float(getattr(scheduler, "new_token_ratio", 1.0) or 0.0)
@@ -259,6 +272,10 @@ def observe(scheduler, el, cache, slot_ceiling: int) -> Observation:
         need = len(head.origin_input_ids) + len(head.output_ids) + _decode_need(head, clip)
         if need > free - reserved:
             blocked = len(waiting)
+            total = sum(
+                len(r.origin_input_ids) + len(r.output_ids) + _decode_need(r, clip) for r in waiting
+            )
+            shortfall = int(max(0, total - (free - reserved)))
     retracted = sum(1 for r in waiting if getattr(r, "is_retracted", False))
     return Observation(
         kv_blocked=blocked,
@@ -272,6 +289,7 @@ def observe(scheduler, el, cache, slot_ceiling: int) -> Observation:
         slot_floor=slot_floor(cache),
         slot_ceiling=slot_ceiling,
         tokens_per_slot=cache.host.expert_bytes / el.token_bytes,
+        kv_shortfall=shortfall,
     )
 
 
