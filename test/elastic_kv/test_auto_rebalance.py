@@ -131,6 +131,17 @@ def test_calm_gives_slots_back_up_to_the_ceiling_keeping_free_kv():
     assert p.step(_obs(kv_free_fraction=0.9, slots=30, kv_floor=1024)) is None
 
 
+def test_no_give_back_while_requests_wait():
+    """During a burst, finished requests leave evictable prefixes (counted free), so the pool
+    can look mostly free with requests still queued: no slots come back until the queue is
+    empty."""
+    p = AutoRebalancePolicy(shrink_after=2, step_slots=4)
+    busy = _obs(kv_free_fraction=0.9, slots=30, kv_tokens=4000, waiting=3)
+    assert all(p.step(busy) is None for _ in range(20))
+    idle = _obs(kv_free_fraction=0.9, slots=30, kv_tokens=4000, waiting=0)
+    assert p.step(idle) is None and p.step(idle) is not None
+
+
 def test_alternating_demand_never_moves():
     p = AutoRebalancePolicy(grow_after=2, shrink_after=2, cooldown=1)
     hot = _obs(kv_blocked=4, slots=30)

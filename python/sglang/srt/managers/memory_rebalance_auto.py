@@ -59,6 +59,7 @@ class Observation:
             how many KV tokens one slot's memory holds.
         kv_shortfall: KV tokens the blocked waiting requests need beyond the free tokens (0
             when none is blocked): what would admit the whole queue.
+        waiting: requests in the waiting queue (blocked or not).
     """
 
     kv_blocked: int
@@ -73,6 +74,7 @@ class Observation:
     slot_ceiling: int
     tokens_per_slot: float
     kv_shortfall: int = 0
+    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,13 +104,16 @@ class AutoRebalancePolicy:
        down to pages and capped at ``kv_ceiling``; only the slots those pages need are taken
        (``ceil(tokens / tokens_per_slot)``), so the move never adds bytes. Never below
        ``slot_floor``.
-    3. KV calm (no pressure and ``kv_free_fraction >= high_water``): the calm streak grows and
-       the pressure streak resets. After ``shrink_after`` consecutive calm checks, slots grow
+    3. KV calm (no pressure, an empty waiting queue and ``kv_free_fraction >= high_water``; the
+       free tokens count the prefix cache's evictable ones, which finished requests leave
+       behind during a burst, hence the empty queue): the calm streak grows and the pressure
+       streak resets. After ``shrink_after`` consecutive calm checks, slots grow
        back by up to ``step_slots`` (never above ``slot_ceiling``), taking the KV pages their
        bytes need, rounded up to pages, as long as the pool stays at or above ``kv_floor`` and
        keeps a free fraction of at least ``low_water`` after the shrink (so a give-back cannot
        cause the pressure that would undo it).
-    4. Otherwise (no pressure, free fraction below ``high_water``) both streaks reset.
+    4. Otherwise (no pressure, and requests waiting or the free fraction below
+       ``high_water``) both streaks reset.
 
     A move resets both streaks and starts the cooldown. Alternating demand (pressure, calm,
     pressure, ...) never completes a streak of ``grow_after >= 2`` or ``shrink_after >= 2``
@@ -169,7 +174,7 @@ class AutoRebalancePolicy:
                 move = self._grow_kv(obs)
                 return self._moved(move) if move is not None else None
             return None
-        if obs.kv_free_fraction >= self.high_water:
+        if obs.waiting == 0 and obs.kv_free_fraction >= self.high_water:
             self.calm_streak += 1
             self.pressure_streak = 0
             if self.calm_streak >= self.shrink_after:
@@ -290,6 +295,7 @@ def observe(scheduler, el, cache, slot_ceiling: int) -> Observation:
         slot_ceiling=slot_ceiling,
         tokens_per_slot=cache.host.expert_bytes / el.token_bytes,
         kv_shortfall=shortfall,
+        waiting=len(waiting),
     )
 
 
