@@ -44,6 +44,7 @@ def _obs(**kw) -> Observation:
         slot_floor=8,
         slot_ceiling=40,
         tokens_per_slot=100.0,
+        running=1,  # a busy server unless a test says otherwise
     )
     base.update(kw)
     return Observation(**base)
@@ -140,6 +141,15 @@ def test_no_give_back_while_requests_wait():
     assert all(p.step(busy) is None for _ in range(20))
     idle = _obs(kv_free_fraction=0.9, slots=30, kv_tokens=4000, waiting=0)
     assert p.step(idle) is None and p.step(idle) is not None
+
+
+def test_an_idle_server_gets_every_slot_back_in_one_move():
+    p = AutoRebalancePolicy(shrink_after=1, step_slots=4)
+    move = p.step(_obs(kv_free_fraction=1.0, slots=10, kv_tokens=6000, waiting=0, running=0))
+    assert move.slots == 40 and move.kv_tokens == 6000 - 3008  # 3000 tokens, up to pages
+    p = AutoRebalancePolicy(shrink_after=1, step_slots=4)
+    busy = _obs(kv_free_fraction=1.0, slots=10, kv_tokens=6000, waiting=0, running=2)
+    assert p.step(busy).slots == 14
 
 
 def test_alternating_demand_never_moves():

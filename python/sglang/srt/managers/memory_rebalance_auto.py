@@ -60,6 +60,7 @@ class Observation:
         kv_shortfall: KV tokens the blocked waiting requests need beyond the free tokens (0
             when none is blocked): what would admit the whole queue.
         waiting: requests in the waiting queue (blocked or not).
+        running: requests in the running batch (0 with ``waiting`` 0: the server is idle).
     """
 
     kv_blocked: int
@@ -75,6 +76,7 @@ class Observation:
     tokens_per_slot: float
     kv_shortfall: int = 0
     waiting: int = 0
+    running: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,8 @@ class AutoRebalancePolicy:
        free tokens count the prefix cache's evictable ones, which finished requests leave
        behind during a burst, hence the empty queue): the calm streak grows and the pressure
        streak resets. After ``shrink_after`` consecutive calm checks, slots grow
-       back by up to ``step_slots`` (never above ``slot_ceiling``), taking the KV pages their
+       back by up to ``step_slots`` (all the way to ``slot_ceiling`` when the server is
+       idle: nothing runs or waits; never above it), taking the KV pages their
        bytes need, rounded up to pages, as long as the pool stays at or above ``kv_floor`` and
        keeps a free fraction of at least ``low_water`` after the shrink (so a give-back cannot
        cause the pressure that would undo it).
@@ -206,7 +209,10 @@ class AutoRebalancePolicy:
 
     def _grow_slots(self, obs: Observation) -> Optional[Move]:
         ps = max(1, obs.page_size)
-        give = min(self.step_slots, obs.slot_ceiling - obs.slots)
+        idle = obs.waiting == 0 and obs.running == 0
+        give = obs.slot_ceiling - obs.slots
+        if not idle:
+            give = min(self.step_slots, give)
         if give <= 0 or obs.tokens_per_slot <= 0:
             return None
         free = obs.kv_free_fraction * obs.kv_tokens
@@ -296,6 +302,7 @@ def observe(scheduler, el, cache, slot_ceiling: int) -> Observation:
         tokens_per_slot=cache.host.expert_bytes / el.token_bytes,
         kv_shortfall=shortfall,
         waiting=len(waiting),
+        running=len(getattr(scheduler.running_batch, "reqs", None) or []),
     )
 
 
@@ -387,7 +394,8 @@ def note_explicit_rebalance(scheduler) -> None:
 
 def maybe_auto_rebalance(scheduler) -> None:
     """The automatic rebalance at the scheduler's safe point (patch 0036 calls it at the end
-    of ``process_input_requests``). Every :data:`CHECK_EVERY` calls: observe, ask the policy,
+    of ``process_input_requests``). Every :data:`CHECK_EVERY` calls (every call while idle:
+    the idle loop wakes about once a second, ``IdleSleeper``): observe, ask the policy,
     and apply its move through :func:`memory_rebalance.handle_rebalance_memory` (the explicit
     endpoint's path: dry run, shrink first, rollback on failure, KV accounting check). Never
     raises (a failure is logged and counted; the split stays where the handler left it)."""
@@ -396,7 +404,10 @@ def maybe_auto_rebalance(scheduler) -> None:
         if st is None:
             return
         st.iterations += 1
-        if st.iterations % CHECK_EVERY:
+        idle = not getattr(scheduler, "waiting_queue", None) and not getattr(
+            scheduler.running_batch, "reqs", None
+        )
+        if st.iterations % CHECK_EVERY and not idle:  # idle iterations are ~1 s apart
             return
         from sglang.srt.layers.moe.expert_cache.method import get_expert_slot_cache
         from sglang.srt.mem_cache.elastic_kv.scheduler_glue import elastic_kv_of
