@@ -216,7 +216,13 @@ class AutoRebalancePolicy:
         if give <= 0 or obs.tokens_per_slot <= 0:
             return None
         free = obs.kv_free_fraction * obs.kv_tokens
-        while give > 0:
+        # the most tokens a give-back may take: above the floor, and (free - t) >= low (kv - t)
+        t_max = min(
+            obs.kv_tokens - max(obs.kv_floor, ps),
+            (free - self.low_water * obs.kv_tokens) / (1.0 - self.low_water),
+        )
+        give = min(give, max(0, int(t_max // obs.tokens_per_slot)))
+        while give > 0:  # a step or two: the page rounding
             tokens = -(-math.ceil(give * obs.tokens_per_slot) // ps) * ps
             new_kv = obs.kv_tokens - tokens
             if new_kv >= max(obs.kv_floor, ps) and (free - tokens) >= self.low_water * new_kv:
