@@ -29,6 +29,7 @@ import time
 
 import pytest
 import requests
+import torch
 from conftest import model_path
 from e2e_util import (
     assert_as_accurate_as_torch_loop,
@@ -346,6 +347,65 @@ def _settled_calls(url: str, timeout_s: float = 20.0) -> float:
             return value
         last = value
         time.sleep(0.5)
+
+
+# --expert-cache-rebalance auto (the default, spelled out) on a KV pool the long prompts below
+# cannot fit: the one server this module starts for the automatic mode.
+AUTO_ARGS = (
+    "--enable-expert-cache",
+    "--expert-cache-size",
+    "50%",
+    *BANDWIDTHS,
+    "--max-total-tokens",
+    "2048",
+    "--expert-cache-rebalance",
+    "auto",
+)
+
+
+def test_auto_rebalance_grows_kv_under_pressure_and_keeps_outputs(results, server_pool):
+    """Issue 15, automatic mode: 16 prompts of 700 tokens in one batched request need about 6
+    times the 2048-token KV pool; requests wait for KV pages, so the server takes expert slots
+    for KV pages (logged, through the explicit handler: no failure), never below the floor of
+    8, and gives them back once the pool stays free. The greedy outputs and logprobs of the module's prompts, sent one by
+    one after the grows (so their batches are those of any other server), are identical to the
+    all-resident server's: slots only change speed."""
+    arch = "qwen3_moe"
+    want = results(arch, RESIDENT)
+    srv = server_pool.get(arch, AUTO_ARGS)
+    split0 = requests.get(srv.url + "/rebalance_memory", timeout=60).json()
+    slots0, kv0 = split0["expert_cache"]["slots"], split0["kv"]["kv_tokens"]
+    assert split0["kv"]["kv_resizable"] and split0["kv"]["kv_max_tokens"] > kv0, split0["kv"]
+    g = torch.Generator().manual_seed(3)
+    longs = [torch.randint(10, 30000, (700,), generator=g).tolist() for _ in range(16)]
+    r = requests.post(
+        srv.url + "/generate",
+        json={
+            "input_ids": longs,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
+        },
+        timeout=600,
+    )
+    assert r.status_code == 200, r.text
+    log = srv.log.read_text(errors="replace")
+    grows = [ln for ln in log.splitlines() if "rebalance auto: KV grows" in ln]
+    assert grows, srv.log_tail(60)
+    first = grows[0].split("; slots ", 1)[1]  # "128 -> 68, KV tokens 2048 -> 7808 (.. ms)"
+    slots1 = int(first.split(" -> ")[1].split(",")[0])
+    assert first.startswith(f"{slots0} -> ") and 8 <= slots1 < slots0, grows[0]
+    assert f"KV tokens {kv0} -> " in first, grows[0]
+    assert "refused or failed" not in log, srv.log_tail(60)
+    got = greedy_with_logprobs(srv.url, random_prompts(), NEW_TOKENS)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert a == b, f"prompt {i}: outputs differ after the automatic rebalances {grows}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # idle: the pool stays free, the slots come back
+        split = requests.get(srv.url + "/rebalance_memory", timeout=60).json()
+        if split["expert_cache"]["slots"] == slots0:
+            break
+        time.sleep(1.0)
+    assert split["expert_cache"]["slots"] == slots0 and split["kv"]["kv_tokens"] == kv0, split
+    assert split["expert_cache"]["rebalance_failures"] == 0, split
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_moe"])

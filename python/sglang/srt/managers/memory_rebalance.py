@@ -224,10 +224,12 @@ def _targets(cache, el, why: str, req, reserve):
     return kv_tokens, (str(slots) if cache is not None else None)
 
 
-def handle_rebalance_memory(scheduler, req):
+def handle_rebalance_memory(scheduler, req, auto: bool = False):
     """Answer one ``RebalanceMemoryReqInput`` at the scheduler's safe point (the dispatcher of
-    ``Scheduler.process_input_requests``, patch 0036). Never raises: every failure becomes the
-    reply (a dead scheduler would end every request).
+    ``Scheduler.process_input_requests``, patch 0036; ``--expert-cache-rebalance auto`` calls it
+    too, with ``auto=True``: :mod:`memory_rebalance_auto`). Never raises: every failure becomes
+    the reply (a dead scheduler would end every request). An explicit resize that succeeds
+    becomes the split auto restores to (:func:`memory_rebalance_auto.note_explicit_rebalance`).
 
     Returns:
         ``RebalanceMemoryReqOutput``: status 200 and ``split = {"expert_cache": {...} or None,
@@ -385,11 +387,15 @@ def handle_rebalance_memory(scheduler, req):
             if problems:
                 msg.append("KV accounting after the rebalance: " + "; ".join(problems))
             return reply(HTTPStatus.INTERNAL_SERVER_ERROR, "; ".join(msg), extra)
-    logger.info(
-        "rebalance_memory: %s in %.1f ms",
-        ", ".join(f"{k} {o} -> {t}" for k, t, o in done) or "no change",
-        extra["time_ms"],
-    )
+    if not auto:
+        from sglang.srt.managers.memory_rebalance_auto import note_explicit_rebalance
+
+        note_explicit_rebalance(scheduler)
+        logger.info(
+            "rebalance_memory: %s in %.1f ms",
+            ", ".join(f"{k} {o} -> {t}" for k, t, o in done) or "no change",
+            extra["time_ms"],
+        )
     return reply(HTTPStatus.OK, "", extra)
 
 

@@ -152,6 +152,7 @@ class ExpertSlotCache:
         # last one's wall time in ms.
         self.rebalances = 0
         self.rebalance_failures = 0
+        self.auto_rebalances = 0  # moves of --expert-cache-rebalance auto (managers module)
         self.last_rebalance_ms = 0.0
         self.metrics = ExpertCacheMetrics(self.snapshot, self.device)
         self.recorder = None
@@ -594,6 +595,7 @@ class ExpertSlotCache:
         Keys: hits, misses, fills, cpu_experts (distinct experts per layer call, summed over
         calls), calls (layer calls), slots, occupied_slots, fill_ratio (B_P / B_H),
         slot_bytes (slots x bytes of one expert), rebalances, rebalance_failures,
+        auto_rebalances (the moves of ``--expert-cache-rebalance auto``, also in rebalances),
         last_rebalance_ms (module ``rebalance``), live_fill_gbps / live_cpu_gbps (B_P / B_H
         over the drift window, GB/s, nan before a sample) and bandwidth_updates (their
         re-derivations; module ``bandwidth_drift``).
@@ -611,6 +613,7 @@ class ExpertSlotCache:
             slot_bytes=self.num_slots * self.host.expert_bytes,
             rebalances=self.rebalances,
             rebalance_failures=self.rebalance_failures,
+            auto_rebalances=self.auto_rebalances,
             last_rebalance_ms=self.last_rebalance_ms,
             live_fill_gbps=self.drift.live_fill_gbps if self.drift else float("nan"),
             live_cpu_gbps=self.drift.live_cpu_gbps if self.drift else float("nan"),
