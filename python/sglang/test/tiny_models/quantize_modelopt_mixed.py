@@ -153,3 +153,62 @@ def fp8_dequantize(weight, weight_scale, dtype=None):
 
     dtype = dtype or torch.float64
     return weight.to(dtype) * weight_scale.to(dtype)
+
+
+def dequantize_mixed_checkpoint(src, dst, dtype=None):
+    """Write the ``MIXED_PRECISION`` checkpoint ``src`` dequantized into ``dst``: each
+    ``W4A16_NVFP4`` weight replaced by :func:`.quantize_nvfp4.nvfp4_dequantize` and each ``FP8``
+    one by :func:`fp8_dequantize` (float64, then ``dtype``, default float32), their scales
+    dropped, every other tensor as stored; ``config.json`` without ``quantization_config`` and
+    no ``hf_quant_config.json``; the other files copied. The oracle's checkpoint: transformers
+    loads it as the unquantized model whose weights the server computes with.
+
+    Returns:
+        ``dst`` as a ``Path``.
+
+    Raises:
+        ValueError: ``src`` is not a ModelOpt ``MIXED_PRECISION`` checkpoint, or a quantized
+            weight lacks a scale (names it).
+    """
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .quantize_nvfp4 import nvfp4_dequantize
+
+    src, dst = Path(src), Path(dst)
+    dtype = dtype or torch.float32
+    cfg = json.loads((src / "config.json").read_text())
+    q = cfg.pop("quantization_config", None) or {}
+    if q.get("quant_algo") != "MIXED_PRECISION":
+        raise ValueError(f"{src}: quantization_config {q!r} is not ModelOpt MIXED_PRECISION")
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", "hf_quant_config.json"):
+            shutil.copy(f, dst / f.name)
+    state = load_file(str(src / "model.safetensors"))
+    scales = (".weight_scale", ".weight_scale_2", ".input_scale")
+    out = {}
+    for name, t in state.items():
+        if name.endswith(scales):
+            continue
+        module = name[: -len(".weight")]
+        try:
+            if t.dtype == torch.uint8:
+                t = nvfp4_dequantize(
+                    t, state[module + ".weight_scale"], state[module + ".weight_scale_2"]
+                )
+            elif t.dtype == torch.float8_e4m3fn:
+                t = fp8_dequantize(t, state[module + ".weight_scale"])
+            else:
+                out[name] = t.contiguous()
+                continue
+        except KeyError as e:
+            raise ValueError(f"{name}: a quantized weight without {e.args[0]}") from e
+        out[name] = t.to(dtype).contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return dst
