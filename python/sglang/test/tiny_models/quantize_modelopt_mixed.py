@@ -86,7 +86,11 @@ def _ignored(cfg: dict) -> List[str]:
     for i in range(text["num_hidden_layers"]):
         p = f"{TEXT}layers.{i}."
         if text["layer_types"][i] == "linear_attention":
-            out += [p + "linear_attn.conv1d", p + "linear_attn.in_proj_a", p + "linear_attn.in_proj_b"]
+            out += [
+                p + "linear_attn.conv1d",
+                p + "linear_attn.in_proj_a",
+                p + "linear_attn.in_proj_b",
+            ]
         out += [p + "mlp.gate", p + "mlp.shared_expert_gate"]
     return out + ["model.visual*", "mtp*"]
 
@@ -187,7 +191,11 @@ def dequantize_mixed_checkpoint(src, dst, dtype=None):
         raise ValueError(f"{src}: quantization_config {q!r} is not ModelOpt MIXED_PRECISION")
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors", "hf_quant_config.json"):
+        if f.is_file() and f.name not in (
+            "config.json",
+            "model.safetensors",
+            "hf_quant_config.json",
+        ):
             shutil.copy(f, dst / f.name)
     state = load_file(str(src / "model.safetensors"))
     scales = (".weight_scale", ".weight_scale_2", ".input_scale")
