@@ -83,6 +83,8 @@ def test_eight_slots_equal_all_resident(arch_results):
     got = results("slots8")
     assert_identical_outputs(stock, got)
     assert_split_happened(results("slots8_metrics"), slots=8)
+    # the host pool and slots hold the checkpoint's NVFP4 experts (not a bf16 copy)
+    assert "routed nvfp4 experts" in results("slots8_log")
 
 
 def test_qwen3_5_nvfp4_against_the_dequantized_oracle(results_qwen3_5_moe_nvfp4, tmp_path):
