@@ -36,6 +36,7 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; code 8 
 
 _logged = False
 _logged_fp8 = False
+_logged_kv = False
 
 
 def _name(layer: torch.nn.Module) -> str:
@@ -208,3 +209,29 @@ def dequantize_fp8_linear(layer: torch.nn.Module) -> None:
             dtype,
             dtype,
         )
+
+
+def cpu_keeps_checkpoint_kv_in_model_dtype(model_dtype: torch.dtype) -> bool:
+    """Whether a checkpoint's FP8 KV-cache declaration (ModelOpt ``kv_cache_quant_algo: FP8``,
+    e.g. nvidia/Qwen3.6-35B-A3B-NVFP4's ``hf_quant_config.json``) is not followed here, the KV
+    cache staying in ``model_dtype`` (patch 0082): on a CPU without AMX, where upstream's CPU
+    FP8 KV cache ("requires Intel AMX support" and the ``intel_amx`` backend) cannot run. Only
+    the checkpoint's default (``--kv-cache-dtype auto``) is overridden; logged once.
+
+    Returns:
+        True on a CPU without AMX, else False (upstream's resolution applies).
+    """
+    global _logged_kv
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if not current_platform.is_cpu() or cpu_has_amx_support():
+        return False
+    if not _logged_kv:
+        _logged_kv = True
+        logger.info(
+            "The checkpoint declares an FP8 KV cache; this CPU has no AMX (upstream's CPU FP8 "
+            "KV cache needs it): the KV cache stays %s",
+            model_dtype,
+        )
+    return True
