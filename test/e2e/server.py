@@ -28,6 +28,7 @@ DEFAULT_MODELS = {
     "qwen3_moe_fp8": "qwen3-moe-fp8-tiny",
     "qwen3_5_moe": "qwen3.5-moe-tiny",
     "qwen3_moe_nvfp4": "qwen3-moe-nvfp4-tiny",
+    "qwen3_5_moe_nvfp4": "qwen3.5-moe-nvfp4-tiny",
     "mixtral": "mixtral-tiny",
     "olmoe": "olmoe-tiny",
     "deepseek_v3": "deepseek-v3-tiny",
@@ -40,6 +41,7 @@ DEFAULT_MODELS = {
 QUANTIZED = {
     "qwen3_moe_fp8": ("qwen3_moe", "fp8"),
     "qwen3_moe_nvfp4": ("qwen3_moe", "nvfp4"),
+    "qwen3_5_moe_nvfp4": ("qwen3_5_moe", "nvfp4"),
     "deepseek_v3_fp8": ("deepseek_v3", "fp8"),
 }
 

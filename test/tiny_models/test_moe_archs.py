@@ -261,3 +261,147 @@ def test_deepseek_v3_fp8_dequantized_is_the_twin_within_e4m3(tm, dsv3_fp8, tmp_p
     assert not any(info.get(k) for k in bad), info
     with pytest.raises(ValueError, match="not block fp8"):
         dequantize_fp8_checkpoint(bf16, tmp_path / "x")
+
+
+# --quant nvfp4 for qwen3_5_moe: the ModelOpt MIXED_PRECISION layout of
+# nvidia/Qwen3.6-35B-A3B-NVFP4 (python/sglang/test/tiny_models/quantize_modelopt_mixed.py).
+Q35 = "model.language_model.layers."
+
+
+@pytest.fixture(scope="module")
+def q35_nvfp4(tm, qwen3_5_dir, tmp_path_factory):
+    return qwen3_5_dir, tm.build(
+        "qwen3_5_moe", tmp_path_factory.mktemp("m") / "qwen3_5_moe_nvfp4", quant="nvfp4"
+    )
+
+
+def _slices(d):
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        return {n: (f.get_slice(n).get_dtype(), f.get_slice(n).get_shape()) for n in f.keys()}
+
+
+def test_qwen3_5_nvfp4_follows_the_release(q35_nvfp4):
+    from sglang.test.tiny_models.quantize_modelopt_mixed import mixed_quant_algo
+
+    bf16, d = q35_nvfp4
+    ref, got = _slices(bf16), _slices(d)
+    want = {}
+    for n, (dtype, shape) in ref.items():
+        algo = mixed_quant_algo(n)
+        m = n[: -len(".weight")]
+        if algo == "W4A16_NVFP4":  # weight-only: no input_scale
+            n_rows, k = shape
+            want[n] = ("U8", [n_rows, k // 2])
+            want[m + ".weight_scale"] = ("F8_E4M3", [n_rows, k // 16])
+            want[m + ".weight_scale_2"] = ("F32", [])
+        elif algo == "FP8":
+            want[n] = ("F8_E4M3", shape)
+            want[m + ".weight_scale"] = ("F32", [])
+            want[m + ".input_scale"] = ("F32", [])
+        else:
+            want[n] = (dtype, shape)
+    assert got == want
+    kinds = {n: mixed_quant_algo(n) for n in ref}
+    for n in (
+        Q35 + "0.mlp.experts.5.gate_proj.weight",
+        Q35 + "0.mlp.shared_expert.down_proj.weight",
+        "lm_head.weight",
+    ):
+        assert kinds[n] == "W4A16_NVFP4", n
+    for n in (
+        Q35 + "3.self_attn.q_proj.weight",
+        Q35 + "3.self_attn.o_proj.weight",
+        Q35 + "0.linear_attn.in_proj_qkv.weight",
+        Q35 + "0.linear_attn.in_proj_z.weight",
+        Q35 + "0.linear_attn.out_proj.weight",
+    ):
+        assert kinds[n] == "FP8", n
+    for n in (
+        Q35 + "0.linear_attn.in_proj_a.weight",
+        Q35 + "0.linear_attn.in_proj_b.weight",
+        Q35 + "0.linear_attn.conv1d.weight",
+        Q35 + "0.mlp.gate.weight",
+        Q35 + "0.mlp.shared_expert_gate.weight",
+        "model.language_model.embed_tokens.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
+    ):
+        assert kinds[n] is None and got[n][0] == "BF16", n
+    # fused at serving time: one per-tensor scale
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        for group in (
+            [f"{Q35}3.self_attn.{p}_proj.weight_scale" for p in "qkv"],
+            [f"{Q35}0.linear_attn.in_proj_{p}.weight_scale" for p in ("qkv", "z")],
+            [f"{Q35}1.mlp.experts.9.{p}_proj.weight_scale_2" for p in ("gate", "up")],
+            [f"{Q35}1.mlp.shared_expert.{p}_proj.weight_scale_2" for p in ("gate", "up")],
+        ):
+            first = f.get_tensor(group[0])
+            assert all(torch.equal(first, f.get_tensor(n)) for n in group[1:]), group
+
+
+def test_qwen3_5_nvfp4_quantization_config_read_by_upstream(q35_nvfp4):
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptMixedPrecisionConfig
+
+    _, d = q35_nvfp4
+    q = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert (q["quant_method"], q["quant_algo"], q["kv_cache_scheme"]) == (
+        "modelopt",
+        "MIXED_PRECISION",
+        None,
+    )
+    hq = json.loads((d / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quantized_layers"] == q["quantized_layers"] and hq["kv_cache_quant_algo"] == "FP8"
+    layers = q["quantized_layers"]
+    assert layers["lm_head"] == {"group_size": 16, "quant_algo": "W4A16_NVFP4"}
+    assert layers[Q35 + "2.mlp.experts"] == {"group_size": 16, "quant_algo": "W4A16_NVFP4"}
+    assert not any(".mlp.experts." in k for k in layers)  # one entry per layer, not per expert
+    assert Q35 + "0.mlp.gate" in q["ignore"] and "mtp*" in q["ignore"]
+    cfg = ModelOptMixedPrecisionConfig.from_config(q)
+    cfg.packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+        "in_proj_ba": ["in_proj_b", "in_proj_a"],
+    }
+    r = cfg.resolve_quant_algo
+    assert r(Q35 + "3.self_attn.qkv_proj") == "FP8"
+    assert r(Q35 + "0.linear_attn.in_proj_qkvz") == "FP8"
+    assert r(Q35 + "0.linear_attn.in_proj_ba") is None
+    assert r(Q35 + "0.mlp.experts") == "W4A16_NVFP4"
+    assert r(Q35 + "0.mlp.shared_expert.gate_up_proj") == "W4A16_NVFP4"
+    assert r("lm_head") == "W4A16_NVFP4"
+    assert r(Q35 + "0.mlp.gate") is None
+    assert ModelConfig(str(d)).quantization == "modelopt_mixed"
+
+
+def test_qwen3_5_nvfp4_dequantized_is_the_twin_within_rounding(q35_nvfp4, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from sglang.test.tiny_models.quantize_modelopt_mixed import dequantize_mixed_checkpoint
+
+    bf16, d = q35_nvfp4
+    deq = dequantize_mixed_checkpoint(d, tmp_path / "deq")
+    got = load_file(str(deq / "model.safetensors"))
+    ref = load_file(str(bf16 / "model.safetensors"))
+    assert got.keys() == ref.keys()
+    for n, bound in (
+        (Q35 + "2.mlp.experts.17.up_proj.weight", 0.15),  # NVFP4
+        ("lm_head.weight", 0.15),
+        (Q35 + "3.self_attn.k_proj.weight", 0.05),  # FP8 e4m3
+        (Q35 + "0.linear_attn.out_proj.weight", 0.05),
+    ):
+        w, r = got[n].double(), ref[n].double()
+        rel = float((w - r).norm() / r.norm())
+        assert got[n].dtype == torch.float32 and 0 < rel < bound, (n, rel)
+    assert torch.equal(got[Q35 + "0.mlp.gate.weight"], ref[Q35 + "0.mlp.gate.weight"])
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(deq), dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.get(k) for k in ("missing_keys", "mismatched_keys", "unexpected_keys"))
+    with pytest.raises(ValueError, match="not ModelOpt MIXED_PRECISION"):
+        dequantize_mixed_checkpoint(bf16, tmp_path / "x")

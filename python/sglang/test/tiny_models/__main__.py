@@ -30,7 +30,8 @@ def main(argv=None) -> int:
         default=None,
         help="write a released quantized layout (fp8: block FP8 as Qwen's -FP8 releases, or "
         "DeepSeek-V3's for --arch deepseek_v3; nvfp4: "
-        "ModelOpt NVFP4 as NVIDIA's -FP4 releases)",
+        "ModelOpt NVFP4 as NVIDIA's -FP4 releases; for --arch qwen3_5_moe ModelOpt "
+        "MIXED_PRECISION as nvidia/Qwen3.6-35B-A3B-NVFP4)",
     )
     parser.add_argument(
         "--no-tokenizer-cache",

@@ -1176,7 +1176,8 @@ def build(
 
     ``quant`` (None = bf16) writes the checkpoint in a released quantized layout instead
     (:mod:`.quantize`: ``"fp8"``, block FP8 as in Qwen's ``-FP8`` releases; ``"nvfp4"``,
-    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases; ``fp8`` also for ``deepseek_v3``, in
+    ModelOpt NVFP4 as in NVIDIA's ``-FP4`` releases, for ``qwen3_5_moe`` ModelOpt
+    ``MIXED_PRECISION`` as in nvidia/Qwen3.6-35B-A3B-NVFP4; ``fp8`` also for ``deepseek_v3``, in
     deepseek-ai/DeepSeek-V3's layout; the archs of :data:`.quantize.QUANT_ARCHS`). ``shape`` (a key of
     :data:`SHAPES`) builds a released model's layer sizes instead of the tiny ones. Raises
     ValueError for an unknown arch, quant or shape, or a quant or shape the arch does not have.

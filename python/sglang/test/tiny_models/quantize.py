@@ -36,7 +36,10 @@ shared-expert MLPs), but
   as in the bf16 tiny model.
 
 ``nvfp4``: the ModelOpt NVFP4 layout of NVIDIA's releases (nvidia/Qwen3-30B-A3B-FP4), written by
-:mod:`.quantize_nvfp4` (``hf_quant_config.json`` beside an unchanged ``config.json``).
+:mod:`.quantize_nvfp4` (``hf_quant_config.json`` beside an unchanged ``config.json``); for
+``qwen3_5_moe`` the ModelOpt ``MIXED_PRECISION`` layout of nvidia/Qwen3.6-35B-A3B-NVFP4
+(W4A16 NVFP4 experts, shared expert and ``lm_head``; FP8 attention and DeltaNet projections),
+written by :mod:`.quantize_modelopt_mixed`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Dict, List, Tuple
 
 QUANTS = ("fp8", "nvfp4")
 # The architectures each quantization is written for (the releases it reproduces).
-QUANT_ARCHS = {"fp8": ("qwen3_moe", "deepseek_v3"), "nvfp4": ("qwen3_moe",)}
+QUANT_ARCHS = {"fp8": ("qwen3_moe", "deepseek_v3"), "nvfp4": ("qwen3_moe", "qwen3_5_moe")}
 FP8_BLOCK = (128, 128)
 FP8_E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
@@ -114,6 +117,11 @@ def quantize_state(
     """
     if quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose from {QUANTS}")
+    if quant == "nvfp4" and cfg.get("model_type") == "qwen3_5_moe":
+        from .quantize_modelopt_mixed import quantize_state_qwen3_5_nvfp4
+
+        out, cfg, hf_quant = quantize_state_qwen3_5_nvfp4(state, cfg)
+        return out, cfg, {"hf_quant_config.json": hf_quant}
     if quant == "nvfp4":
         from .quantize_nvfp4 import quantize_state_nvfp4
 

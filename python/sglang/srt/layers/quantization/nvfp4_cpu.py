@@ -35,6 +35,8 @@ GROUP = 16
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; code 8 + c is -value
 
 _logged = False
+_logged_fp8 = False
+_logged_kv = False
 
 
 def _name(layer: torch.nn.Module) -> str:
@@ -159,3 +161,77 @@ def prepare_moe(layer: torch.nn.Module) -> None:
         if "_scale" in spec.name:
             p.data.fill_(float("nan"))
         set_loader(p, checked_loader(p.weight_loader, spec, layer.layer_id, NVFP4.label))
+
+
+def dequantize_fp8_linear(layer: torch.nn.Module) -> None:
+    """Replace a ModelOpt per-tensor FP8 linear's weight (``ModelOptFp8LinearMethod``: the FP8
+    attention and gated-DeltaNet projections of nvidia/Qwen3.6-35B-A3B-NVFP4's
+    ``MIXED_PRECISION`` checkpoint) by its dequantization to the model dtype and make the layer
+    run as an unquantized linear (patch 0081; upstream requantizes it for an FP8 GEMM the CPU
+    does not have).
+
+    Args:
+        layer: a ``LinearBase`` after loading: ``weight`` [N, K] float8_e4m3fn,
+            ``weight_scale`` [len(logical_widths)] float32 (one per fused shard; upstream fills
+            it with float32's min until loaded), ``logical_widths`` the shards' rows,
+            ``orig_dtype`` the model dtype; ``prefix`` (patch 0009) its checkpoint name. The
+            weight is ``fp8 * weight_scale`` per shard (ModelOpt's per-tensor FP8).
+
+    Raises:
+        ValueError: a shard whose ``weight_scale`` the checkpoint never wrote; names the
+            tensor.
+    """
+    global _logged_fp8
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    name = getattr(layer, "prefix", "") or "an FP8 linear layer"
+    w, s = layer.weight.data, layer.weight_scale.data.float().flatten()
+    widths = list(getattr(layer, "logical_widths", [w.shape[0]]))
+    missing = [i for i, v in enumerate(s.tolist()) if v == torch.finfo(torch.float32).min]
+    if s.numel() != len(widths) or missing:
+        raise ValueError(
+            f"{name}.weight_scale was not in the checkpoint for shard(s) {missing} of "
+            f"{widths} rows: every FP8 weight needs its weight_scale"
+        )
+    row_scale = torch.repeat_interleave(s, torch.tensor(widths))
+    dtype = getattr(layer, "orig_dtype", torch.bfloat16)
+    deq = w.float() * row_scale[:, None]
+    layer.weight = torch.nn.Parameter(deq.to(dtype).contiguous(), requires_grad=False)
+    for attr in ("weight_scale", "input_scale"):
+        if hasattr(layer, attr):
+            delattr(layer, attr)
+    layer.quant_method = UnquantizedLinearMethod()
+    if not _logged_fp8:
+        _logged_fp8 = True
+        logger.info(
+            "ModelOpt FP8 on the CPU: per-tensor FP8 linears are dequantized to %s at load "
+            "(activations stay %s, input_scale unused)",
+            dtype,
+            dtype,
+        )
+
+
+def cpu_keeps_checkpoint_kv_in_model_dtype(model_dtype: torch.dtype) -> bool:
+    """Whether a checkpoint's FP8 KV-cache declaration (ModelOpt ``kv_cache_quant_algo: FP8``,
+    e.g. nvidia/Qwen3.6-35B-A3B-NVFP4's ``hf_quant_config.json``) is not followed here, the KV
+    cache staying in ``model_dtype`` (patch 0082): on a CPU without AMX, where upstream's CPU
+    FP8 KV cache ("requires Intel AMX support" and the ``intel_amx`` backend) cannot run. Only
+    the checkpoint's default (``--kv-cache-dtype auto``) is overridden; logged once.
+
+    Returns:
+        True on a CPU without AMX, else False (upstream's resolution applies).
+    """
+    global _logged_kv
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if not current_platform.is_cpu() or cpu_has_amx_support():
+        return False
+    if not _logged_kv:
+        _logged_kv = True
+        logger.info(
+            "The checkpoint declares an FP8 KV cache; this CPU has no AMX (upstream's CPU FP8 "
+            "KV cache needs it): the KV cache stays %s",
+            model_dtype,
+        )
+    return True
