@@ -297,18 +297,19 @@ CACHE_SLOTS8 = (
 TORCH_LOOP_ENV = {"SGLANG_CPU_MOE_BACKEND": "native"}  # upstream's per-expert torch MoE loop
 
 
-def results_fixture(arch: str, configs: dict, new_tokens: int = 16, name: str = "results"):
+def results_fixture(arch: str, configs: dict, new_tokens: int = 16, name: str | None = None):
     """A pytest fixture ``results`` for ``arch``: ``results(name)`` is the output of
     :func:`greedy_with_logprobs` on :func:`random_prompts` from the pooled server of
     ``configs[name] = (extra launch flags, env or None)``, measured once per test session;
     ``results(name + "_log")`` is that server's log text and ``results(name + "_metrics")``
     its :func:`expert_cache_counters` (for configurations with ``--enable-metrics``). ``name``:
-    the fixture's name (several archs in one module)."""
+    the fixture's name; None (the default) leaves it to pytest, i.e. the module attribute the
+    fixture is assigned to (``results_mixtral = results_fixture("mixtral", ...)``)."""
     import pytest
 
     store: dict = {}
 
-    @pytest.fixture(name=name)
+    @pytest.fixture(**({"name": name} if name else {}))
     def results(server_pool):
         def get(name: str):
             if name not in store:
