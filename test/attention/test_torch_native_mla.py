@@ -19,15 +19,16 @@ def _batch(extend: bool, prefix_lens):
 
 
 def test_torch_native_takes_the_absorbed_mla_forward():
-    from sglang.srt.layers.attention.torch_native_mla import handle_attention_torch_native
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,
+        _dispatch_mla_subtype,
     )
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
         AttnForwardMethod,
     )
 
-    assert AttentionBackendRegistry.get_handler("torch_native") is handle_attention_torch_native
+    handler = AttentionBackendRegistry.get_handler("torch_native")
+    assert handler is _dispatch_mla_subtype
     attn = SimpleNamespace()  # no fused AMX projection: the plain absorbed forward
     for batch in (_batch(True, [0]), _batch(True, [7]), _batch(False, None)):
-        assert handle_attention_torch_native(attn, batch) == AttnForwardMethod.MLA
+        assert handler(attn, batch) == AttnForwardMethod.MLA
