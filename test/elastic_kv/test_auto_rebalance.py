@@ -276,6 +276,22 @@ def test_off_flag_and_unresizable_kv_keep_auto_inactive(served, monkeypatch, cap
     assert cache.num_slots == slots
 
 
+def test_without_an_expert_cache_auto_stops_looking(monkeypatch):
+    """A server without the cache: the first call records auto as inactive, and later calls
+    return at once (no lookup of the cache at every scheduler iteration)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.expert_cache import method
+
+    calls = []
+    monkeypatch.setattr(method, "get_expert_slot_cache", lambda: calls.append(1))
+    sched = SimpleNamespace(waiting_queue=[], running_batch=SimpleNamespace(reqs=[]))
+    for _ in range(5):
+        auto.maybe_auto_rebalance(sched)
+    assert sched._auto_rebalance.inactive == "no expert cache"
+    assert len(calls) == 1
+
+
 def test_slot_floor_counts_two_layers_with_prefill_streaming(served):
     _, _, cache, E = served
     assert auto.slot_floor(cache) == (2 * E if cache.prefill_stream.enabled else cache.top_k)

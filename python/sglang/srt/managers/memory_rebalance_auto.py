@@ -344,8 +344,11 @@ def _state(scheduler) -> Optional[_AutoState]:
     from sglang.srt.mem_cache.elastic_kv.scheduler_glue import MAX_TOKENS_ENV, elastic_kv_of
 
     cache = get_expert_slot_cache()
-    if cache is None:
-        return None  # no expert cache (yet): nothing to say, nothing to do
+    if cache is None:  # the model is loaded before the event loop: no cache now, none ever
+        scheduler._auto_rebalance = _AutoState(
+            policy=AutoRebalancePolicy(), inactive="no expert cache"
+        )
+        return None
     if not cache.finalized:
         return None
     st = _AutoState(policy=AutoRebalancePolicy(step_slots=max(1, int(cache.top_k))))
