@@ -84,6 +84,19 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return lut[codes]
 
 
+def _as_unquantized(layer: torch.nn.Module, weight: torch.Tensor, scales) -> None:
+    """Make a dequantized linear run as an unquantized one: ``weight`` (the model dtype,
+    [N, K]) becomes its parameter, the ``scales`` attributes go, and the layer's method
+    becomes upstream's ``UnquantizedLinearMethod``."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    layer.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    for attr in scales:
+        if hasattr(layer, attr):
+            delattr(layer, attr)
+    layer.quant_method = UnquantizedLinearMethod()
+
+
 def dequantize_linear(layer: torch.nn.Module) -> None:
     """Replace an NVFP4 linear's weight by its dequantization to the model dtype and make the
     layer run as an unquantized linear (``layer.quant_method`` becomes
@@ -100,7 +113,6 @@ def dequantize_linear(layer: torch.nn.Module) -> None:
             (NaN, :func:`prepare_linear`); names the tensor.
     """
     global _logged
-    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     name = _name(layer)
     w, s, s2 = layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data
@@ -130,11 +142,7 @@ def dequantize_linear(layer: torch.nn.Module) -> None:
     scale = s.float() * row_global[:, None]  # fp32(fp8 * global), as the CPU executor
     dtype = getattr(layer, "params_dtype", torch.bfloat16)
     deq = unpack_e2m1(w) * scale.repeat_interleave(GROUP, dim=1)
-    layer.weight = torch.nn.Parameter(deq.to(dtype).contiguous(), requires_grad=False)
-    for attr in ("weight_scale", "weight_scale_2", "input_scale"):
-        if hasattr(layer, attr):
-            delattr(layer, attr)
-    layer.quant_method = UnquantizedLinearMethod()
+    _as_unquantized(layer, deq.to(dtype), ("weight_scale", "weight_scale_2", "input_scale"))
     if not _logged:
         _logged = True
         logger.info(
@@ -182,7 +190,6 @@ def dequantize_fp8_linear(layer: torch.nn.Module) -> None:
             tensor.
     """
     global _logged_fp8
-    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     name = getattr(layer, "prefix", "") or "an FP8 linear layer"
     w, s = layer.weight.data, layer.weight_scale.data.float().flatten()
@@ -196,11 +203,7 @@ def dequantize_fp8_linear(layer: torch.nn.Module) -> None:
     row_scale = torch.repeat_interleave(s, torch.tensor(widths))
     dtype = getattr(layer, "orig_dtype", torch.bfloat16)
     deq = w.float() * row_scale[:, None]
-    layer.weight = torch.nn.Parameter(deq.to(dtype).contiguous(), requires_grad=False)
-    for attr in ("weight_scale", "input_scale"):
-        if hasattr(layer, attr):
-            delattr(layer, attr)
-    layer.quant_method = UnquantizedLinearMethod()
+    _as_unquantized(layer, deq.to(dtype), ("weight_scale", "input_scale"))
     if not _logged_fp8:
         _logged_fp8 = True
         logger.info(
