@@ -12,9 +12,13 @@ with any earlier request of its session, and ``cached`` is what the server repor
 from its prefix cache. Exit status 1 if any request failed or returned a malformed stream.
 
 ``--compare`` replays the same folder twice in one invocation, each on its own server: anchor
-checkpoints off (``--disable-anchor-checkpoints``, upstream's hybrid cache) then on (the default).
-It prints both runs' lines, a per-request table (cached tokens and TTFT in both modes), both
-summary lines, and last:
+checkpoints off (``--disable-anchor-checkpoints``, upstream's hybrid cache) and on (the default).
+Both servers run side by side and each request is sent to one, then to the other, the order
+alternating from request to request, so that a change in the machine's load (another job
+starting halfway) falls on both modes alike; ``--sequential`` replays the whole folder with
+anchors off, then starts the second server and replays it again (half the memory). It prints
+both runs' lines, a per-request table (cached tokens and TTFT in both modes), both summary
+lines, and last:
 
     wasted_tokens_off=X wasted_tokens_on=Y reuse_ratio_off=A reuse_ratio_on=B ...
 """
@@ -27,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+import requests
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test" / "e2e"))
@@ -91,9 +97,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="replay twice, anchor checkpoints off then on (a server each; not with --url)",
+        help="replay twice, anchor checkpoints off and on (a server each, requests "
+        "interleaved; not with --url)",
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="with --compare: the whole replay with anchors off, then with anchors on, one "
+        "server at a time (load changes between the two runs then bias the TTFT ratio)",
     )
     args = p.parse_args(argv)
+    if args.sequential and not args.compare:
+        p.error("--sequential only applies to --compare")
     if args.compare and args.url:
         p.error("--compare starts its own servers (anchors off, then on); drop --url")
     return args
@@ -169,7 +184,8 @@ def compare_line(
     )
 
 
-def main_compare(args: argparse.Namespace, sessions: list) -> int:
+def _run_sequential(args: argparse.Namespace, sessions: list) -> dict:
+    """Each mode's results (flattened over sessions), one server after the other."""
     runs = {}
     for mode, extra in COMPARE_MODES:
         print(f"# anchors={mode}", flush=True)
@@ -181,6 +197,75 @@ def main_compare(args: argparse.Namespace, sessions: list) -> int:
             ),
         )
         runs[mode] = [r for sr in results for r in sr.results]
+    return runs
+
+
+def replay_interleaved(urls: dict, sessions: list, args: argparse.Namespace) -> dict:
+    """Replay ``sessions`` on every server of ``urls`` (mode -> URL) at once: each request goes
+    to every mode in turn before the next request is sent, the order rotating by one mode from
+    request to request, so slow drifts of the machine's load fall on every mode alike.
+
+    Returns:
+        mode -> list of :class:`agent_replay.RequestResult`, in capture order over sessions,
+        with ``reusable_tokens`` filled in (from that mode's own prompt ids).
+    """
+    modes = list(urls)
+    runs = {m: [] for m in modes}
+    n = 0
+    for s in sessions:
+        per = {m: [] for m in modes}
+        https = {}
+        ids = {}
+        for m in modes:
+            if not args.no_flush:
+                ar.flush_cache(urls[m])
+            https[m] = requests.Session()
+            ids[m] = ar.AnthropicPromptIds(urls[m], args.timeout)
+        t0 = time.perf_counter()
+        for cap in s.captures:
+            order = modes[n % len(modes) :] + modes[: n % len(modes)]
+            n += 1
+            for m in order:
+                res = ar.replay_request(
+                    urls[m], cap, args.max_new_tokens, args.timeout, https[m], ids[m]
+                )
+                res.reusable_tokens = ar.reusable_prefix_len(
+                    res.prompt_ids, [r.prompt_ids for r in per[m]]
+                )
+                per[m].append(res)
+                print(f"[{m}] {res.line()}", flush=True)
+        wall = time.perf_counter() - t0
+        for m in modes:
+            https[m].close()
+            summary = ar.ReplaySummary.of(per[m])
+            print(f"[{m}] " + summary.line(f"session {s.name} wall={wall:.1f}s (both modes)"))
+            runs[m].extend(per[m])
+    return runs
+
+
+def _run_interleaved(args: argparse.Namespace, sessions: list) -> dict:
+    import server  # test/e2e/server.py
+
+    model = args.model_path or server.ensure_model(args.model_arch)
+    servers = {}
+    try:
+        for mode, extra in COMPARE_MODES:
+            t0 = time.perf_counter()
+            srv = server.start_server(model, shlex.split(args.server_args) + extra)
+            servers[mode] = srv
+            print(
+                f"# anchors={mode}: server {srv.url} model={model} up in "
+                f"{time.perf_counter() - t0:.0f}s log={srv.log}",
+                flush=True,
+            )
+        return replay_interleaved({m: s.url for m, s in servers.items()}, sessions, args)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
+def main_compare(args: argparse.Namespace, sessions: list) -> int:
+    runs = _run_sequential(args, sessions) if args.sequential else _run_interleaved(args, sessions)
     for line in compare_table(runs["off"], runs["on"]):
         print(line)
     summaries = {m: ar.ReplaySummary.of(rs) for m, rs in runs.items()}
