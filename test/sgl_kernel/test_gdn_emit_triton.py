@@ -339,3 +339,37 @@ def test_emitted_conv_states_equal_a_pass_ending_there():
             seq_lens_cpu=[n],
         )
         assert torch.equal(pool[slot], short[own[row]]), (row, pos)
+
+
+@pytest.mark.skipif(
+    not ON_CUDA,
+    reason="TritonGDNKernel runs upstream's Triton chain on CUDA only (the CPU op on the CPU)",
+)
+def test_triton_gdn_kernel_extend_forwards_the_emission_on_cuda():
+    """Patch 0048's ``TritonGDNKernel.extend``: on CUDA it passes ``state_emit_indices`` to the
+    chain, as ``GDNAttnBackend.forward_extend`` calls it; the same pool as calling the chain."""
+    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+
+    assert TritonGDNKernel.supports_state_emit
+    H, HV, K, V = shapes()
+    q, k, v, g, beta = make_inputs(sum(LENS), H, HV, K, V, IO_DTYPE)
+    pool0 = (torch.randn(12, HV, V, K) * 0.5).to(DEVICE)
+    idx = torch.tensor(OWN, dtype=torch.int32, device=DEVICE)
+    cu, emit = cu_of(LENS), emit_table(LENS, WANTED)
+    direct = pool0.clone()
+    out = run(q, k, v, g, beta, direct, idx, cu, emit)
+    via = pool0.clone()
+    got, _, _ = TritonGDNKernel().extend(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states=via,
+        cache_indices=idx,
+        query_start_loc=cu,
+        state_emit_indices=emit,
+    )
+    assert torch.equal(got, out)
+    assert torch.equal(via, direct)
+    assert not torch.equal(via[list(WANTED.values())], pool0[list(WANTED.values())])
