@@ -24,12 +24,15 @@
 #            test_cuda_cache.py (whole layer calls on CUDA against the CPU cache, eager and in
 #            one CUDA graph; no-slot fallback), test_cuda_sources.py, the Triton slot path on
 #            real bf16 (test_triton_slot_path.py), banks pinned while a pack is read
-#            (test_cuda_pack_pin.py); a skipped test counts as a failure here
+#            (test_cuda_pack_pin.py), anchor-checkpoint states emitted by upstream's Triton GDN
+#            chunk kernel and the conv rows against a pass ending there (patch 0048,
+#            test_gdn_emit_triton.py); a skipped test counts as a failure here
 #   control  benchmark/expert_cache/bench_control.py --device cuda
 #   step     benchmark/expert_cache/bench_gpu_step.py (Qwen3.6-35B-A3B shapes, eager + graph)
 #   prefill  benchmark/expert_cache/bench_prefill_stream.py --device cuda (the prefill double
 #            buffer: outputs against the CPU cache, transfer_bound_ratio; exits 1 on any mismatch)
-# Estimated (not yet run there): ~1.5 min build, ~2 min tests, ~3 min benchmarks, ~1.5 min
+# Estimated (not yet run there): ~1.5 min build, ~2 min tests (the GDN emit file: seconds after
+# Triton's first compile of the chain, well under a minute), ~3 min benchmarks, ~1.5 min
 # prefill (a 6.4 GB pool filled and pinned; past the default budget it is skipped, saying so).
 # Writes $OUT/summary.txt (a line per step and the benchmarks' last lines) and $OUT/log.txt
 # (everything), $OUT being the device tool's output folder, else .gpu-checks/. Exit 0 when
@@ -209,7 +212,7 @@ if want tests; then
   step tests 300 "$PY" -m pytest -q -rfEs --junitxml="$junit" \
     test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py \
     test/expert_cache/test_cuda_sources.py test/expert_cache/test_triton_slot_path.py \
-    test/expert_cache/test_cuda_pack_pin.py \
+    test/expert_cache/test_cuda_pack_pin.py test/sgl_kernel/test_gdn_emit_triton.py \
     --deselect test/expert_cache/test_triton_slot_path.py::test_slot_experts_through_triton_fused_moe_add_up_with_the_cpu_branch
   counts=$(grep -o '<testsuite [^>]*>' "$junit" 2>/dev/null | grep -o '\(tests\|failures\|errors\|skipped\)="[0-9]*"' | tr '\n' ' ')
   if [ -z "$counts" ]; then

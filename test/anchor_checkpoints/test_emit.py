@@ -114,3 +114,32 @@ def test_no_free_state_slot_skips_emission():
     assert req is not None and req.kv.kv_committed_len == 300
     s.finish(req)
     assert s.state_slots_in_use() == len(s.tree_states())
+
+
+def _mode_machine(monkeypatch, *, cpu: bool, cuda: bool, base="triton", prefill=None):
+    """``_why_no_emit`` on a faked machine and ``exec.mamba`` (the two kernel flags only)."""
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as rc
+    import sglang.srt.utils as su
+
+    monkeypatch.setattr(su, "is_cpu", lambda: cpu)
+    monkeypatch.setattr(su, "is_cuda", lambda: cuda)
+    mamba = SimpleNamespace(linear_attn_backend=base, linear_attn_prefill_backend=prefill)
+    monkeypatch.setattr(rc, "get_exec", lambda: SimpleNamespace(mamba=mamba))
+    from sglang.srt.mem_cache.anchor_checkpoints import _why_no_emit
+
+    return _why_no_emit()
+
+
+def test_auto_mode_emits_on_the_cpu_and_on_cuda_with_the_triton_prefill_kernel(monkeypatch):
+    assert _mode_machine(monkeypatch, cpu=True, cuda=False) is None
+    assert _mode_machine(monkeypatch, cpu=False, cuda=True) is None
+    assert (
+        _mode_machine(monkeypatch, cpu=False, cuda=True, base="cutedsl", prefill="triton") is None
+    )
+    why = _mode_machine(monkeypatch, cpu=False, cuda=True, prefill="flashinfer")
+    assert why is not None and "flashinfer" in why
+    why = _mode_machine(monkeypatch, cpu=False, cuda=True, base="cutedsl")
+    assert why is not None and "cutedsl" in why
+    assert _mode_machine(monkeypatch, cpu=False, cuda=False) is not None  # ROCm, XPU, NPU

@@ -36,7 +36,8 @@ __all__ = [
 
 # --anchor-checkpoint-mode: cut ends prefill chunks at anchors (a pass ends there); emit lets
 # the chunks end where upstream ends them and writes the states inside the pass (emit.py);
-# auto (the default) is emit where the CPU op runs it, otherwise cut.
+# auto (the default) is emit where a kernel writes them (the CPU op; on CUDA the Triton chunk
+# kernel, patch 0048), otherwise cut.
 ANCHOR_MODES = ("auto", "cut", "emit")
 
 
@@ -103,16 +104,19 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
     mode = getattr(mamba, "anchor_checkpoint_mode", "auto")
     if mode not in ANCHOR_MODES:
         raise ValueError(f"--anchor-checkpoint-mode must be one of {ANCHOR_MODES}, got {mode!r}")
-    emit = mode in ("auto", "emit") and _emit_supported()
+    why_no_emit = _why_no_emit() if mode in ("auto", "emit") else None
+    emit = mode in ("auto", "emit") and why_no_emit is None
     if mode == "emit" and not emit:
         logger.warning(
-            "Anchor checkpoints: --anchor-checkpoint-mode emit needs the CPU gated-DeltaNet op "
-            "(the Triton chunk kernel does not emit states yet); cutting prefill chunks instead."
+            "Anchor checkpoints: --anchor-checkpoint-mode emit needs %s; cutting prefill chunks "
+            "instead.",
+            why_no_emit,
         )
     elif mode == "auto" and not emit:
         logger.info(
             "Anchor checkpoints: cutting prefill chunks at anchors (--anchor-checkpoint-mode "
-            "auto: writing the states inside the pass needs the CPU gated-DeltaNet op)."
+            "auto: writing the states inside the pass needs %s).",
+            why_no_emit,
         )
     why_not = None
     from sglang.srt.runtime_context import get_schedule
@@ -161,7 +165,24 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
     )
 
 
-def _emit_supported() -> bool:
-    from sglang.srt.utils import is_cpu
+def _why_no_emit() -> Optional[str]:
+    """None when a gated-DeltaNet prefill kernel here writes states inside the pass: the CPU op
+    (``chunk_gated_delta_rule_cpu``), or on CUDA upstream's Triton chunk kernel (patch 0048) when
+    the prefill backend is Triton (``--linear-attn-backend`` / ``--linear-attn-prefill-backend``);
+    else what is missing. A pass whose layers still write nothing (linear layers other than gated
+    DeltaNet, a kernel chosen later, a gathered strided state pool) turns cutting back on at run
+    time (:meth:`.cache.AnchorRadixCache.insert_emitted_states`)."""
+    from sglang.srt.runtime_context import get_exec
+    from sglang.srt.utils import is_cpu, is_cuda
 
-    return is_cpu()
+    if is_cpu():
+        return None
+    if not is_cuda():
+        return "the CPU gated-DeltaNet op or CUDA's Triton chunk kernel (this is neither)"
+    mamba = get_exec().mamba
+    prefill = getattr(mamba, "linear_attn_prefill_backend", None) or getattr(
+        mamba, "linear_attn_backend", "triton"
+    )
+    if prefill != "triton":
+        return f"the Triton GDN prefill kernel (--linear-attn-prefill-backend is {prefill})"
+    return None

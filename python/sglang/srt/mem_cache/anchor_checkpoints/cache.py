@@ -214,10 +214,13 @@ class AnchorRadixCache(UnifiedRadixCache):
             return
         plan, held = pending
         if not plan.written and self.anchor_planner.emit:
-            # No linear layer took the plan (a model whose layers have no emission hook).
+            # No linear layer took the plan: linear layers other than gated DeltaNet, a GDN
+            # prefill kernel that cannot write them (supports_state_emit), a strided state pool
+            # that upstream gathers into copies for the kernel, or a graph-replayed prefill.
             logger.warning(
-                "Anchor checkpoints: the model's linear layers do not emit states; cutting "
-                "prefill chunks at anchors instead."
+                "Anchor checkpoints: no linear layer wrote the planned states (linear layers "
+                "other than gated DeltaNet, or a GDN prefill kernel or state pool that cannot "
+                "write them); cutting prefill chunks at anchors instead."
             )
             self.anchor_planner.emit = False
         for r, slots in zip(plan.rows, held):

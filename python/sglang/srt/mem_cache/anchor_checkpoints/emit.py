@@ -11,8 +11,10 @@ from the pass start of each sequence (``EMIT_GRID``), so a wanted position ``a``
 ``s < e`` and ``a - e <= min_gap``. The state there equals the final state of a pass that ends at
 ``e`` bit for bit (``test/sgl_kernel/test_gdn_emit.py``):
 
-* SSM state: ``chunk_gated_delta_rule_cpu(state_emit_indices=...)`` stores the state at the start
-  of chunk ``(e - s) / 64`` into the slot, rounded once to the pool dtype;
+* SSM state: the chunk kernel stores the state at the start of chunk ``(e - s) / 64`` into the
+  slot, rounded once from fp32 to the pool dtype: ``chunk_gated_delta_rule_cpu(state_emit_indices=
+  ...)`` on the CPU, upstream's Triton ``chunk_gated_delta_rule`` on CUDA (patch 0048,
+  ``test/sgl_kernel/test_gdn_emit_triton.py``);
 * conv state: the last ``W - 1`` conv inputs before ``e``, ``mixed_qkv[e - W + 1 : e]`` of the
   pass (``W`` the conv width; ``e - s >= 64 > W - 1``, so all of them lie in this pass), copied
   before the conv runs, as upstream's extra-buffer tracking does (``gdn_backend.forward_extend``,
@@ -121,7 +123,10 @@ class StateEmission:
     def write_conv_states(
         self, conv_states: torch.Tensor, mixed_qkv: torch.Tensor, extend_lens: Sequence[int]
     ) -> None:
-        """Copy each emitted position's conv state into its slot.
+        """Copy each emitted position's conv state into its slot (plain torch indexing on the
+        pool's device: the CPU, or CUDA before upstream's Triton conv;
+        ``test_gdn_emit_triton.py`` checks it against that conv's state after a pass ending
+        there).
 
         Args:
             conv_states: the layer's conv-state pool ``[num_slots, dim, W - 1]``.
