@@ -34,7 +34,9 @@ def test_block_dequantization_is_fp8_times_the_block_scale():
 
 def test_scale_errors_name_the_tensor():
     q, s = channel_quantize_fp8(torch.randn(64, 32))
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj.weight_scale: shape \(64,\)"):
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.self_attn.o_proj.weight_scale: shape \(64,\)"
+    ):
         dequantize_weight(q, s.flatten(), "model.layers.0.self_attn.o_proj")
     s[5] = torch.finfo(torch.float32).min  # what upstream leaves where nothing was loaded
     with pytest.raises(ValueError, match=r"o_proj.weight_scale was not in the checkpoint .*\[5\]"):

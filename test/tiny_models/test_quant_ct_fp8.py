@@ -13,7 +13,6 @@ import json
 import math
 
 import pytest
-import torch
 from safetensors import safe_open
 
 from sglang.test import tiny_models
@@ -44,7 +43,11 @@ def test_layout(case):
                 s = f.get_slice(n + "_scale")
                 assert s.get_dtype() == "F32", n
                 n_out, k = t.shape
-                want = [n_out, 1] if quant == "ct-fp8" else [math.ceil(n_out / 128), math.ceil(k / 128)]
+                want = (
+                    [n_out, 1]
+                    if quant == "ct-fp8"
+                    else [math.ceil(n_out / 128), math.ceil(k / 128)]
+                )
                 assert s.get_shape() == want, n
             else:
                 assert f.get_tensor(n).dtype == t.dtype, n
@@ -85,7 +88,10 @@ def test_dequantized_weights_within_e4m3_rounding(case):
     assert "quantization_config" not in json.loads((deq / "config.json").read_text())
     with safe_open(str(deq / "model.safetensors"), "pt") as f:
         assert not any(n.endswith("weight_scale") for n in f.keys())
-        for n in ("model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+        for n in (
+            "model.layers.1.mlp.experts.3.up_proj.weight",
+            "model.layers.0.self_attn.o_proj.weight",
+        ):
             w, d = bf16[n].double(), f.get_tensor(n).double()
             rel = (d - w).norm() / w.norm()
             assert 0 < rel < 0.04, (n, float(rel))  # e4m3: 3 mantissa bits

@@ -152,7 +152,9 @@ def quantize_state_ct_fp8(
     from .quantize import fp8_quantized_names
 
     if quant not in CT_QUANTS:
-        raise ValueError(f"unknown compressed-tensors quantization {quant!r}; choose from {CT_QUANTS}")
+        raise ValueError(
+            f"unknown compressed-tensors quantization {quant!r}; choose from {CT_QUANTS}"
+        )
     block = quant == "ct-fp8-block"
     out = dict(state)
     for name in fp8_quantized_names(state):

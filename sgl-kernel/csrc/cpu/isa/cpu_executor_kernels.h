@@ -479,8 +479,7 @@ static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* co
   const int64_t next = R * m.w_rs;  // bytes from a row to its row in the next tile
   if constexpr (FMT == kFormat_fp8) {
     const float* s[R];
-    for (int r = 0; r < R; ++r)
-      s[r] = static_cast<const float*>(m.scale) + ((row + r) / m.scale_row_div) * m.scale_rs;
+    for (int r = 0; r < R; ++r) s[r] = static_cast<const float*>(m.scale) + ((row + r) / m.scale_row_div) * m.scale_rs;
     vf sv[R];
     for (int64_t i = 0; i < n; i += VW) {
       if (i % kFp8Block == 0)
