@@ -24,7 +24,10 @@ Checked: the no-cache server serves (its log says the dense linears were dequant
 entry runs the same FP8 kernel from a slot, the host pool or the resident layer), and the
 no-cache server's prompt logprobs against transformers float32 on the dequantized checkpoint
 (``quantize_ct_fp8.dequantize_ct_fp8_checkpoint``) are as accurate as transformers' own bf16 of
-that checkpoint (mean |error| within 1.2x, max within 2x: ``test_expert_cache_fp8.py``'s bound).
+that checkpoint (mean |error| within 1.2x, max within 2x: ``test_expert_cache_fp8.py``'s bound;
+measured over 399 tokens, server / transformers bf16: Qwen3-MoE mean 0.063 / 0.074, max 0.44 /
+0.45; GLM-4.5 mean 0.127 / 0.163, max 3.05 / 3.65; Qwen3-MoE FP8_BLOCK mean 0.060 / 0.071, max
+0.40 / 0.37).
 """
 
 from __future__ import annotations
