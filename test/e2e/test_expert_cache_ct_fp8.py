@@ -120,3 +120,25 @@ def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, re
     assert theirs.mean() > 0, "transformers bf16 matched float32 exactly"
     assert ours.mean() <= 1.2 * theirs.mean(), figures
     assert ours.max() <= 2 * theirs.max(), figures
+
+
+@pytest.mark.parametrize("extra", [(), ("--enable-expert-cache",)], ids=["stock", "cache"])
+def test_missing_expert_scale_fails_at_load_by_name(extra, tmp_path):
+    """A checkpoint without one expert's ``weight_scale`` refuses to start, naming it (stock:
+    the scheme's scales start as NaN with patch 0083, upstream's were 1.0, which would have
+    served wrong weights; cache: the host pool's scale rows start as NaN)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from server import start_server
+
+    src = model_path("qwen3_moe_ct_fp8")
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    name = "model.layers.1.mlp.experts.5.up_proj.weight_scale"
+    state = load_file(str(dst / "model.safetensors"))
+    del state[name]
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=name.replace(".", r"\.")):
+        srv = start_server(dst, ["--max-total-tokens", "65536", *extra], timeout_s=300)
+        srv.stop()
