@@ -1,4 +1,8 @@
-"""CPU executor on quantized experts (fp8 block, mxfp4, nvfp4) vs a float64 reference.
+"""CPU executor on quantized experts (fp8 block, fp8 per channel, mxfp4, nvfp4) vs a float64
+reference.
+
+``fp8-channel`` is the executor's fp8 format with compressed-tensors FP8-Dynamic's scales (one
+float32 per output row, ``[N, 2I, 1]`` / ``[N, H, 1]``, ``formats.CT_FP8_CHANNEL``).
 
 The reference dequantizes the banks in float64 (``expert_cache.formats``: the formats'
 definitions, written apart from the kernels), then runs the executor's formula: ``g, u`` in
@@ -28,13 +32,19 @@ from sgl_kernel_fork.cpu_executor import (
 from sglang.srt.layers.moe.expert_cache.formats import QUANT_FORMATS, executor_args
 
 TOL = dict(atol=2e-3, rtol=2e-3)
-FORMATS = ("fp8", "mxfp4", "nvfp4")
+FORMATS = ("fp8", "fp8-channel", "mxfp4", "nvfp4")
 
 # (T, K, H, I, N). fp8 takes any H and I: 196 and 72 leave partial 128-blocks and a partial
 # last SIMD chunk; the 4-bit formats need multiples of their group (32 / 16). T = 40 with few
 # experts puts many tokens on one expert (prefill column tiles).
 CASES = {
     "fp8": [(1, 8, 256, 128, 16), (3, 4, 196, 72, 9), (4, 8, 128, 200, 10), (40, 6, 96, 48, 3)],
+    "fp8-channel": [
+        (1, 8, 256, 128, 16),
+        (3, 4, 196, 72, 9),
+        (4, 8, 128, 200, 10),
+        (40, 6, 96, 48, 3),
+    ],
     "mxfp4": [(1, 8, 256, 128, 16), (3, 4, 160, 96, 9), (4, 8, 64, 224, 10), (40, 6, 96, 64, 3)],
     "nvfp4": [(1, 8, 256, 128, 16), (3, 4, 176, 80, 9), (4, 8, 48, 208, 10), (40, 6, 96, 64, 3)],
 }
@@ -81,7 +91,7 @@ def test_quantizer_round_trip(fmt):
     w13 = torch.randn(3, 64, 96, generator=g)
     w2 = torch.randn(3, 96, 32, generator=g)
     d13, d2 = QUANT_FORMATS[fmt].dequantize(QUANT_FORMATS[fmt].quantize(w13, w2))
-    rel = 0.07 if fmt == "fp8" else 0.35  # e4m3: 3 mantissa bits; e2m1: 1 bit
+    rel = 0.07 if fmt.startswith("fp8") else 0.35  # e4m3: 3 mantissa bits; e2m1: 1 bit
     for w, d in ((w13, d13), (w2, d2)):
         assert d.shape == w.shape
         assert ((d - w.double()).norm() / w.double().norm()).item() < rel
@@ -94,7 +104,11 @@ def test_bank_shapes_and_bytes_are_upstreams(fmt):
     for spec in f.banks(256, 128):
         assert banks[spec.name].dtype == spec.dtype, spec
         assert tuple(banks[spec.name].shape[1:]) == spec.row_shape, spec
-    want = {"fp8": 3 * 256 * 128 + 4 * (2 * 2 + 2 * 1), "mxfp4": 3 * 256 * 128 * 17 // 32}
+    want = {
+        "fp8": 3 * 256 * 128 + 4 * (2 * 2 + 2 * 1),
+        "fp8-channel": 3 * 256 * 128 + 4 * (256 + 256),  # one float32 per w13 and w2 row
+        "mxfp4": 3 * 256 * 128 * 17 // 32,
+    }
     if fmt in want:
         assert f.expert_bytes(256, 128) == want[fmt]
 
@@ -123,6 +137,9 @@ def test_reference_catches_layout_mistakes(fmt):
     if fmt == "fp8":
         wrong["w13_scale"] = banks["w13_scale"].flip(-1).contiguous()
         wrong["w13_scale"][:, 0] *= 3
+    elif fmt == "fp8-channel":  # a block layout's mistake: one scale per 128 rows
+        rows128 = banks["w13_scale"][:, ::128].repeat_interleave(128, 1)
+        wrong["w13_scale"] = rows128[:, : banks["w13_scale"].shape[1]].contiguous()
     else:
         wrong["w13"] = ((banks["w13"] >> 4) | (banks["w13"] << 4)).contiguous()
     ref = reference(fmt, x, tw, rows, wrong)
@@ -183,7 +200,8 @@ def test_submit_and_plan_equal_a_direct_call(fmt):
     moe_experts_cpu_wait(moe_experts_cpu_submit(x, tw, [rows], out=got, **kw))
     assert torch.equal(got, want)
     scales = {k: banks[k] for k in banks if k not in ("w13", "w2")}
-    plan = CpuBranchPlan(8, 8, banks["w13"], banks["w2"], pin=False, format=fmt, **scales)
+    name = QUANT_FORMATS[fmt].executor_format
+    plan = CpuBranchPlan(8, 8, banks["w13"], banks["w2"], pin=False, format=name, **scales)
     plan.hidden[:5] = x
     plan.weights[:5] = tw
     plan.rows[:5] = rows
@@ -206,6 +224,7 @@ def test_nvfp4_one_global_per_expert_for_w13():
 def test_errors_name_the_tensor_and_format():
     x, tw, rows, fp8 = make_problem("fp8", 3, 4, 64, 32, 8, pad=0.0)
     _, _, _, mx = make_problem("mxfp4", 3, 4, 64, 32, 8, pad=0.0)
+    _, _, _, ch = make_problem("fp8-channel", 3, 4, 64, 32, 8, pad=0.0)
     out = torch.empty(3, 64)
     cases = [
         (
@@ -219,6 +238,11 @@ def test_errors_name_the_tensor_and_format():
             r"w2\[0\] must be .*Float8_e4m3fn.*w2_weight",
         ),
         (dict(mx, w13_scale=mx["w13_scale"].float()), "mxfp4", r"w13_scale\[0\] .*e8m0 per 32"),
+        (  # per-channel w13 scales with block w2 scales
+            dict(ch, w2_scale=fp8["w2_scale"]),
+            "fp8",
+            r"w2_scale\[0\] must be a \[8, 64, 1\] .*one per output channel",
+        ),
         (mx, "nvfp4", "one w13_scale_2 / w2_scale_2 per set"),
     ]
     for banks, fmt, msg in cases:

@@ -33,6 +33,9 @@ DEFAULT_MODELS = {
     "olmoe": "olmoe-tiny",
     "deepseek_v3": "deepseek-v3-tiny",
     "deepseek_v3_fp8": "deepseek-v3-fp8-tiny",
+    "qwen3_moe_ct_fp8": "qwen3-moe-ct-fp8-tiny",
+    "glm4_moe_ct_fp8": "glm4-moe-ct-fp8-tiny",
+    "qwen3_moe_ct_fp8_block": "qwen3-moe-ct-fp8-block-tiny",
     "gpt_oss": "gpt-oss-tiny",
     "gemma4": "gemma4-moe-tiny",
     "llama4": "llama4-moe-tiny",
@@ -43,6 +46,9 @@ QUANTIZED = {
     "qwen3_moe_nvfp4": ("qwen3_moe", "nvfp4"),
     "qwen3_5_moe_nvfp4": ("qwen3_5_moe", "nvfp4"),
     "deepseek_v3_fp8": ("deepseek_v3", "fp8"),
+    "qwen3_moe_ct_fp8": ("qwen3_moe", "ct-fp8"),
+    "glm4_moe_ct_fp8": ("glm4_moe", "ct-fp8"),
+    "qwen3_moe_ct_fp8_block": ("qwen3_moe", "ct-fp8-block"),
 }
 
 

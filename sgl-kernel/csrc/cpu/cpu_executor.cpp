@@ -139,6 +139,14 @@ int64_t weight_row_bytes(int64_t format, int64_t n) {
   return format == kFormat_bf16 ? 2 * n : format == kFormat_fp8 ? n : n / 2;
 }
 
+// Whether an fp8 w13 scale bank holds one scale per output channel ([N, 2I, 1], compressed-tensors
+// FP8-Dynamic) rather than one per 128 x 128 block ([N, ceil(2I/128), ceil(H/128)]): the shapes
+// never coincide, since ceil(2I/128) < 2I for every I >= 1. A set's w2 scales must follow
+// (check_quant_set).
+bool fp8_per_channel(const at::Tensor& w13_scale, int64_t two_i) {
+  return w13_scale.dim() == 3 && w13_scale.size(1) == two_i && two_i > 1 && w13_scale.size(2) == 1;
+}
+
 // The quantized formats' per-set tensors (empty lists for bf16): the scales of w13 and w2 and,
 // for nvfp4, their global scales (w13_scale_2 [N] or [N, 2] = (gate, up), w2_scale_2 [N]).
 struct QuantBanks {
@@ -328,10 +336,14 @@ class MoeChunkJob final : public ItemJob {
     const char* s2 = static_cast<const char*>(sb.data_ptr()) + r * sb.stride(0) * sb.element_size();
     const int64_t b13 = weight_row_bytes(f, H), b2 = weight_row_bytes(f, I);
     // gate and up are both w13 addressed from its row 0 (the up rows are I..2I-1, and fp8's
-    // 128 x 128 scale grid covers all 2I rows); they differ only in nvfp4's global scale
-    ex.gate = {static_cast<int32_t>(f), w13, b13, s13, sa.size(2), 1.0f};
+    // 128 x 128 or per-row scale grid covers all 2I rows); they differ only in nvfp4's global
+    // scale. fp8 per channel (scales [2I, 1] / [H, 1], check_quant_set): one scale row per
+    // weight row, the same scale for every 128-column block.
+    const bool channel = f == kFormat_fp8 && fp8_per_channel(sa, 2 * c.I);
+    const int64_t div = channel ? 1 : kFp8Block, step = channel ? 0 : 1;
+    ex.gate = {static_cast<int32_t>(f), w13, b13, s13, sa.size(2), 1.0f, div, step};
     ex.up = ex.gate;
-    ex.down = {static_cast<int32_t>(f), w2, b2, s2, sb.size(2), 1.0f};
+    ex.down = {static_cast<int32_t>(f), w2, b2, s2, sb.size(2), 1.0f, div, step};
     if (f == kFormat_nvfp4) {
       const float* g13 = c.q.w13_scale_2[s].data_ptr<float>();
       const bool two = c.q.w13_scale_2[s].dim() == 2;
@@ -489,6 +501,13 @@ void check_quant_set(const QuantBanks& q, size_t i, const at::Tensor& a, const a
   if (f == kFormat_fp8) {
     check_bank_tensor(a, "w13", i, at::kFloat8_e4m3fn, {N, 2 * I, H}, f, "w13_weight");
     check_bank_tensor(b, "w2", i, at::kFloat8_e4m3fn, {N, H, I}, f, "w2_weight");
+    if (fp8_per_channel(q.w13_scale[i], 2 * I)) {  // compressed-tensors FP8, per output channel
+      check_bank_tensor(q.w13_scale[i], "w13_scale", i, at::kFloat, {N, 2 * I, 1}, f,
+                        "w13_weight_scale, one per output channel");
+      check_bank_tensor(q.w2_scale[i], "w2_scale", i, at::kFloat, {N, H, 1}, f,
+                        "w2_weight_scale, one per output channel (as w13_scale)");
+      return;
+    }
     check_bank_tensor(q.w13_scale[i], "w13_scale", i, at::kFloat,
                       {N, ceil_div(2 * I, kFp8Block), ceil_div(H, kFp8Block)}, f,
                       "w13_weight_scale_inv, one per 128 x 128 block");

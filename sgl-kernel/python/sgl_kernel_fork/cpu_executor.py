@@ -65,7 +65,11 @@ bf16      ``[N, 2I, H]`` / ``[N, H, I]`` bfloat16      none
 fp8       same shapes, ``float8_e4m3fn``               float32 ``[N, ceil(2I/128), ceil(H/128)]`` /
           (``Fp8MoEMethod``, block quantized)          ``[N, ceil(H/128), ceil(I/128)]``
                                                        (``w*_weight_scale_inv``): weight = fp8 *
-                                                       the scale of its 128 x 128 block
+                                                       the scale of its 128 x 128 block; or
+                                                       per output channel ``[N, 2I, 1]`` /
+                                                       ``[N, H, 1]`` (compressed-tensors
+                                                       FP8-Dynamic, ``w*_weight_scale``):
+                                                       weight = fp8 * the scale of its row
 mxfp4     uint8 ``[N, 2I, H/2]`` / ``[N, H, I/2]``:    uint8 e8m0 ``[N, 2I, H/32]`` /
           two e2m1 codes per byte, element 2j in the   ``[N, H, I/32]`` (``w*_weight_scale``):
           low nibble (``Mxfp4MoEMethod``)              weight = e2m1 * 2^(scale - 127)

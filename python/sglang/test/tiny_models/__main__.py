@@ -1,5 +1,5 @@
 """CLI: ``python -m sglang.test.tiny_models --arch qwen3_next --out DIR [--seed N] [--force]
-[--quant fp8|nvfp4]``; ``--shape qwen3-30b-a3b`` builds a released model's layer sizes (its arch)."""
+[--quant fp8|nvfp4|ct-fp8|ct-fp8-block]``; ``--shape qwen3-30b-a3b`` builds a released model's layer sizes (its arch)."""
 
 import argparse
 import sys
@@ -31,7 +31,9 @@ def main(argv=None) -> int:
         help="write a released quantized layout (fp8: block FP8 as Qwen's -FP8 releases, or "
         "DeepSeek-V3's for --arch deepseek_v3; nvfp4: "
         "ModelOpt NVFP4 as NVIDIA's -FP4 releases; for --arch qwen3_5_moe ModelOpt "
-        "MIXED_PRECISION as nvidia/Qwen3.6-35B-A3B-NVFP4)",
+        "MIXED_PRECISION as nvidia/Qwen3.6-35B-A3B-NVFP4; ct-fp8 / ct-fp8-block: "
+        "compressed-tensors FP8 as llm-compressor's FP8-Dynamic / FP8_BLOCK releases, for "
+        "qwen3_moe and glm4_moe)",
     )
     parser.add_argument(
         "--no-tokenizer-cache",

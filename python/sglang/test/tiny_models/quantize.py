@@ -40,15 +40,24 @@ shared-expert MLPs), but
 ``qwen3_5_moe`` the ModelOpt ``MIXED_PRECISION`` layout of nvidia/Qwen3.6-35B-A3B-NVFP4
 (W4A16 NVFP4 experts, shared expert and ``lm_head``; FP8 attention and DeltaNet projections),
 written by :mod:`.quantize_modelopt_mixed`.
+
+``ct-fp8`` / ``ct-fp8-block``: compressed-tensors FP8 as llm-compressor writes it (the
+"FP8-Dynamic" releases: RedHatAI/Qwen3-30B-A3B-FP8-dynamic, GLM-4.5/4.6 FP8-Dynamic), per-channel
+``weight_scale`` [N, 1] or 128 x 128 blocks, written by :mod:`.quantize_ct_fp8`.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-QUANTS = ("fp8", "nvfp4")
+QUANTS = ("fp8", "nvfp4", "ct-fp8", "ct-fp8-block")
 # The architectures each quantization is written for (the releases it reproduces).
-QUANT_ARCHS = {"fp8": ("qwen3_moe", "deepseek_v3"), "nvfp4": ("qwen3_moe", "qwen3_5_moe")}
+QUANT_ARCHS = {
+    "fp8": ("qwen3_moe", "deepseek_v3"),
+    "nvfp4": ("qwen3_moe", "qwen3_5_moe"),
+    "ct-fp8": ("qwen3_moe", "glm4_moe"),
+    "ct-fp8-block": ("qwen3_moe", "glm4_moe"),
+}
 FP8_BLOCK = (128, 128)
 FP8_E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
@@ -122,6 +131,11 @@ def quantize_state(
 
         out, cfg, hf_quant = quantize_state_qwen3_5_nvfp4(state, cfg)
         return out, cfg, {"hf_quant_config.json": hf_quant}
+    if quant.startswith("ct-"):
+        from .quantize_ct_fp8 import quantize_state_ct_fp8
+
+        out, cfg = quantize_state_ct_fp8(state, cfg, quant)
+        return out, cfg, {}
     if quant == "nvfp4":
         from .quantize_nvfp4 import quantize_state_nvfp4
 

@@ -30,7 +30,11 @@ namespace sglk {
 // Python reads the names through expert_cache_enum("expert_format")):
 //   bf16   w [rows, n] bf16
 //   fp8    w [rows, n] float8_e4m3fn, scale [ceil(rows/128), ceil(n/128)] f32: value =
-//          fp8(w) * scale of its 128 x 128 block (upstream Fp8MoEMethod, weight_scale_inv)
+//          fp8(w) * scale of its 128 x 128 block (upstream Fp8MoEMethod, weight_scale_inv;
+//          compressed-tensors FP8_BLOCK, weight_scale), or scale [rows, 1] f32: value =
+//          fp8(w) * scale of its row (compressed-tensors FP8-Dynamic, per output channel:
+//          CompressedTensorsW8A8Fp8MoE's weight_scale); QuantMatrix's scale_row_div /
+//          scale_col_step say which
 //   mxfp4  w [rows, n/2] uint8, e2m1 codes two per byte (element 2j in the low nibble, 2j+1 in
 //          the high one), scale [rows, n/32] uint8 e8m0: value = e2m1 * 2^(scale - 127)
 //          (upstream Mxfp4MoEMethod, OCP MX)
@@ -77,10 +81,15 @@ struct QuantMatrix {
   int32_t format;     // kFormat_fp8 | kFormat_mxfp4 | kFormat_nvfp4
   const uint8_t* w;   // row 0 of the matrix; row r at w + r * w_rs
   int64_t w_rs;       // bytes per row: n (fp8) or n / 2 (4-bit)
-  const void* scale;  // row 0's scales: fp8 f32 [ceil(rows/128), scale_rs]; mxfp4 uint8 and nvfp4
+  const void* scale;  // row 0's scales: fp8 f32 [ceil(rows/128) or rows, scale_rs]; mxfp4 uint8 and nvfp4
                       // float8_e4m3fn [rows, scale_rs]
   int64_t scale_rs;   // scale elements per scale row
   float global;       // nvfp4: the matrix's global scale; 1 otherwise
+  // fp8 only: weight row r reads scale row r / scale_row_div, and its 128-column block b the
+  // element b * scale_col_step of it: kFp8Block and 1 for 128 x 128 blocks, 1 and 0 for one
+  // scale per row (per output channel). Either way the weight is fp32(fp8 * its scale).
+  int64_t scale_row_div;
+  int64_t scale_col_step;
 };
 
 // Floats of storage per activation row given to dot_q (x rows are zero-padded to this length;

@@ -479,11 +479,11 @@ static inline void qdot_micro(const QuantMatrix& m, int64_t row, const float* co
   const int64_t next = R * m.w_rs;  // bytes from a row to its row in the next tile
   if constexpr (FMT == kFormat_fp8) {
     const float* s[R];
-    for (int r = 0; r < R; ++r) s[r] = static_cast<const float*>(m.scale) + ((row + r) / kFp8Block) * m.scale_rs;
+    for (int r = 0; r < R; ++r) s[r] = static_cast<const float*>(m.scale) + ((row + r) / m.scale_row_div) * m.scale_rs;
     vf sv[R];
     for (int64_t i = 0; i < n; i += VW) {
       if (i % kFp8Block == 0)
-        for (int r = 0; r < R; ++r) sv[r] = v_set1(s[r][i / kFp8Block] * kFp8Mul);
+        for (int r = 0; r < R; ++r) sv[r] = v_set1(s[r][(i / kFp8Block) * m.scale_col_step] * kFp8Mul);
       if constexpr (PF)
         if (i % 64 == 0)
           for (int r = 0; r < R; ++r) SGLK_PREFETCH_NEXT_TILE(w[r] + next + i);
@@ -693,7 +693,7 @@ static inline void qdot8_micro_b(const QuantMatrix& m, int64_t row, const float*
   const float* s[R];
   for (int r = 0; r < R; ++r) {
     w[r] = m.w + (row + r) * m.w_rs;
-    s[r] = static_cast<const float*>(m.scale) + ((row + r) / kFp8Block) * m.scale_rs;
+    s[r] = static_cast<const float*>(m.scale) + ((row + r) / m.scale_row_div) * m.scale_rs;
   }
   const int64_t next = R * m.w_rs;
   const __m512i sub = _mm512_loadu_si512(kE4M3SubBf16);
@@ -720,7 +720,7 @@ static inline void qdot8_micro_b(const QuantMatrix& m, int64_t row, const float*
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 sv = _mm512_set1_ps(s[r][b0 / kFp8Block] * (1.0f / 256.0f));
+      const __m512 sv = _mm512_set1_ps(s[r][(b0 / kFp8Block) * m.scale_col_step] * (1.0f / 256.0f));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(p[r][c], sv, acc[r][c]);
     }
   }

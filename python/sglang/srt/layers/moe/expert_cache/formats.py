@@ -10,6 +10,9 @@ format  upstream method               per-expert tensors (bank name: layer param
 ======  ============================  =============================================  =========
 fp8     ``Fp8MoEMethod`` (block       w13, w2: ``w*_weight`` float8_e4m3fn; w13_scale,  ~1
         128 x 128)                    w2_scale: ``w*_weight_scale_inv`` float32
+        ``CompressedTensorsW8A8-      as fp8; scales ``w*_weight_scale``: per output   ~1
+        Fp8MoE`` (per channel or      channel [2I, 1] / [H, 1] (:data:`CT_FP8_CHANNEL`)
+        block 128 x 128)              or per 128 x 128 block (:data:`CT_FP8_BLOCK`)
 mxfp4   ``Mxfp4MoEMethod``            w13, w2: ``w*_weight`` uint8 (two e2m1 codes);   ~0.53
                                       w13_scale, w2_scale: ``w*_weight_scale`` e8m0
 nvfp4   ``ModelOptNvFp4FusedMoE``     as mxfp4, scales float8_e4m3fn per 16;           ~0.56
@@ -54,6 +57,11 @@ class QuantExpertFormat(ExpertFormat):
     name: str = ""
     group: int = 0
     biases: bool = False  # per-expert bias banks w13_bias [2I] / w2_bias [H] (bf16)
+    # fp8 only: one scale per output channel ([2I, 1] / [H, 1]) instead of per 128 x 128 block
+    channel: bool = False
+    # fp8 only: the layer parameter of the scales, ``w13_<scale_param>`` / ``w2_<scale_param>``
+    # (Fp8MoEMethod: weight_scale_inv; compressed-tensors: weight_scale)
+    scale_param: str = "weight_scale_inv"
 
     @property
     def quantized(self) -> bool:
@@ -71,11 +79,13 @@ class QuantExpertFormat(ExpertFormat):
         h, i, g = hidden_size, intermediate_size, self.group
         if self.name == "fp8":
             c = lambda n: math.ceil(n / g)  # noqa: E731
+            s13, s2 = ((2 * i, 1), (h, 1)) if self.channel else ((c(2 * i), c(h)), (c(h), c(i)))
+            p = self.scale_param
             return (
                 BankSpec("w13", "w13_weight", (2 * i, h), torch.float8_e4m3fn),
                 BankSpec("w2", "w2_weight", (h, i), torch.float8_e4m3fn),
-                BankSpec("w13_scale", "w13_weight_scale_inv", (c(2 * i), c(h)), torch.float32),
-                BankSpec("w2_scale", "w2_weight_scale_inv", (c(h), c(i)), torch.float32),
+                BankSpec("w13_scale", f"w13_{p}", s13, torch.float32),
+                BankSpec("w2_scale", f"w2_{p}", s2, torch.float32),
             )
         if h % g or i % g:
             raise ValueError(
@@ -163,6 +173,11 @@ class QuantExpertFormat(ExpertFormat):
     def dequantize(self, t: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """float64 ``(w13 [..., 2I, H], w2 [..., H, I])`` of the banks ``t`` (bank names; any
         leading dimensions, e.g. ``[N]``): the exact values the format encodes."""
+        if self.name == "fp8" and self.channel:  # scales [..., rows, 1]
+            return (
+                t["w13"].double() * t["w13_scale"].double(),
+                t["w2"].double() * t["w2_scale"].double(),
+            )
         if self.name == "fp8":
             return (
                 _dequant_fp8(t["w13"], t["w13_scale"]),
@@ -185,8 +200,13 @@ class QuantExpertFormat(ExpertFormat):
     # ---- quantizers (tests, benchmarks) -------------------------------------------------
     def quantize(self, w13: torch.Tensor, w2: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Banks of this format for float weights ``w13 [N, 2I, H]``, ``w2 [N, H, I]``, with the
-        scales a checkpoint quantizer picks (amax of each block / group over the format's max;
-        e8m0 scales rounded up; nvfp4 globals amax / (6 * 448) per matrix, gate and up apart)."""
+        scales a checkpoint quantizer picks (amax of each block / group / row over the format's
+        max; e8m0 scales rounded up; nvfp4 globals amax / (6 * 448) per matrix, gate and up
+        apart)."""
+        if self.name == "fp8" and self.channel:
+            a, sa = _quant_fp8_channel(w13)
+            b, sb = _quant_fp8_channel(w2)
+            return {"w13": a, "w2": b, "w13_scale": sa, "w2_scale": sb}
         if self.name == "fp8":
             a, sa = _quant_fp8(w13)
             b, sb = _quant_fp8(w2)
@@ -263,7 +283,25 @@ MXFP4_BIASED = QuantExpertFormat(
     label="mxfp4", dtype=torch.uint8, name="mxfp4", group=32, biases=True
 )
 NVFP4 = QuantExpertFormat(label="nvfp4", dtype=torch.uint8, name="nvfp4", group=16)
-QUANT_FORMATS = {f.name: f for f in (FP8, MXFP4, NVFP4)}
+# compressed-tensors FP8 (llm-compressor's FP8-Dynamic / FP8_BLOCK), as
+# CompressedTensorsW8A8Fp8MoE creates it: the executor's fp8 format with its scale layouts.
+CT_FP8_CHANNEL = QuantExpertFormat(
+    label="ct-fp8 (per channel)",
+    dtype=torch.float8_e4m3fn,
+    name="fp8",
+    group=128,
+    channel=True,
+    scale_param="weight_scale",
+)
+CT_FP8_BLOCK = QuantExpertFormat(
+    label="ct-fp8 (block 128x128)",
+    dtype=torch.float8_e4m3fn,
+    name="fp8",
+    group=128,
+    scale_param="weight_scale",
+)
+# By key (tests, benchmarks); ``executor_format`` is the executor's format name.
+QUANT_FORMATS = {"fp8": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4, "fp8-channel": CT_FP8_CHANNEL}
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -299,6 +337,15 @@ def _quant_fp8(w: torch.Tensor):
     scale = (amax / FP8_MAX).float()
     q = w.float() / _expand_blocks(scale, r, c)
     return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def _quant_fp8_channel(w: torch.Tensor):
+    """[..., rows, cols] -> (fp8 [..., rows, cols], float32 scales [..., rows, 1] = amax of the
+    row / 448; an all-zero row gets 1)."""
+    amax = w.float().abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).float()
+    q = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
 
 
 def _e2m1_encode(x: torch.Tensor) -> torch.Tensor:

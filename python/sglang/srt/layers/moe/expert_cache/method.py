@@ -62,6 +62,7 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         device,
         activation: Tuple[str, Optional[float], Optional[float]] = ("silu", None, None),
         gate_up_interleaved: bool = False,
+        layer: Optional[torch.nn.Module] = None,
     ):
         torch.nn.Module.__init__(self)
         self.base_method = base_method
@@ -74,7 +75,8 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.gate_up_interleaved = gate_up_interleaved  # the checkpoint's w13 rows (gpt-oss)
         self.cache: Optional[ExpertSlotCache] = None
         self.moe_runner_config = None
-        self.label, self.weight_block_size = expert_format_of(base_method)
+        # the layer carries compressed-tensors' scheme (upstream's format_for reads it there)
+        self.label, self.weight_block_size = expert_format_of(base_method, layer)
 
     def create_weights(
         self,
@@ -125,7 +127,7 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 with_bias=with_bias,
                 **extra_weight_attrs,
             )
-        if fmt is not None:  # described by formats.py (nvfp4, mxfp4)
+        if fmt is not None:  # described by formats.py (nvfp4, mxfp4, ct-fp8)
             fmt.check_layer(layer, num_experts, hidden_size, intermediate_size_per_partition)
             # FusedMoE.weight_loader follows the base method's layout (as for paged experts):
             # ModelOpt's per-tensor scales load by column (gate, up), not as blocks.
@@ -199,6 +201,8 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             scales = {
                 "nvfp4": "weight_scale and weight_scale_2",
                 "mxfp4": "e8m0 scales (gate_up_proj_scales, down_proj_scales)",
+                "ct-fp8-channel": "weight_scale (float32 [N, 1], one per output channel)",
+                "ct-fp8-block": "weight_scale (float32, one per 128 x 128 block)",
             }.get(self.label, "weight_scale_inv")
             raise ValueError(
                 f"{self.label} checkpoint without {', '.join(missing[:4])}{more}: every "
@@ -287,6 +291,8 @@ SUPPORTED_FORMATS = {
     "block-quantized FP8": "fp8-block",
     "ModelOpt NVFP4": "nvfp4",
     "MXFP4": "mxfp4",
+    # per-channel or block by the scheme's weight strategy (expert_format_of)
+    "compressed-tensors FP8 (per-channel or block, dynamic activations)": "ct-fp8",
 }
 
 
@@ -294,10 +300,17 @@ def quant_format_of_label(label: str):
     """The ``formats.py`` format whose banks experts of our ``label`` have, for the formats
     whose banks follow from H and I rather than from the layer's parameters: ``nvfp4``
     (``formats.NVFP4``), ``mxfp4`` (``formats.MXFP4_BIASED``: gpt-oss's experts with their
-    biases); None for the others (bf16, fp8-block: :func:`banks.format_from_layer`)."""
+    biases), ``ct-fp8-channel`` / ``ct-fp8-block`` (``formats.CT_FP8_CHANNEL`` /
+    ``CT_FP8_BLOCK``: compressed-tensors FP8, scales ``w*_weight_scale``); None for the others
+    (bf16, fp8-block: :func:`banks.format_from_layer`)."""
     from sglang.srt.layers.moe.expert_cache import formats
 
-    return {"nvfp4": formats.NVFP4, "mxfp4": formats.MXFP4_BIASED}.get(label)
+    return {
+        "nvfp4": formats.NVFP4,
+        "mxfp4": formats.MXFP4_BIASED,
+        "ct-fp8-channel": formats.CT_FP8_CHANNEL,
+        "ct-fp8-block": formats.CT_FP8_BLOCK,
+    }.get(label)
 
 
 def _materialize_other_params(layer, fmt, hidden_size: int, intermediate_size: int) -> None:
@@ -324,7 +337,9 @@ def expert_format_of(base_method, layer=None):
     paged experts classifies methods (``paged_experts.formats.format_for``): ``("bf16",
     None)``, ``("fp8-block", (128, 128))`` (the checkpoint's ``weight_block_size``) or
     ``("nvfp4", None)`` (ModelOpt NVFP4, groups of 16 along K) or ``("mxfp4", None)``
-    (``Mxfp4MoEMethod``, e8m0 scales per 32 along K).
+    (``Mxfp4MoEMethod``, e8m0 scales per 32 along K), ``("ct-fp8-channel", None)`` or
+    ``("ct-fp8-block", (128, 128))`` (``CompressedTensorsW8A8Fp8MoE``, the scheme on
+    ``layer``, with dynamic activations: per output channel or per 128 x 128 block).
 
     Raises:
         ValueError: a format the host pool does not hold; names it and the supported list.
@@ -342,7 +357,30 @@ def expert_format_of(base_method, layer=None):
         )
     if label in ("bf16", "nvfp4", "mxfp4"):
         return label, None
+    if label == "ct-fp8":
+        return _ct_fp8_label(layer.scheme)
     return label, tuple(base_method.quant_config.weight_block_size)
+
+
+def _ct_fp8_label(scheme):
+    """``(label, weight_block_size)`` of a ``CompressedTensorsW8A8Fp8MoE`` scheme (upstream's
+    format_for has already checked its strategy is channel or block and its activations
+    dynamic).
+
+    Raises:
+        ValueError: a block other than 128 x 128 (the executor's fp8 block).
+    """
+    from compressed_tensors.quantization import QuantizationStrategy
+
+    if scheme.weight_quant.strategy == QuantizationStrategy.CHANNEL:
+        return "ct-fp8-channel", None
+    block = tuple(scheme.weight_block_size)
+    if block != (128, 128):
+        raise ValueError(
+            f"compressed-tensors FP8 experts with block_structure {list(block)} are not "
+            "supported yet (the host pool holds per-channel and 128 x 128 block scales)"
+        )
+    return "ct-fp8-block", block
 
 
 def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
@@ -375,14 +413,18 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
         label = None
-    if label in ("nvfp4", "mxfp4") and get_device().device != "cpu":
+    if label in ("nvfp4", "mxfp4", "ct-fp8-channel", "ct-fp8-block") and (
+        get_device().device != "cpu"
+    ):
+        shown = label.upper() if label in ("nvfp4", "mxfp4") else label
         problems.append(
-            f"{label.upper()} experts in GPU slots are not supported yet (no slot-indexed "
-            f"{label.upper()} kernel): serve them on the CPU (--device cpu) or drop "
+            f"{shown} experts in GPU slots are not supported yet (no slot-indexed "
+            f"{shown} kernel): serve them on the CPU (--device cpu) or drop "
             "--enable-expert-cache"
         )
     cfg = layer.moe_runner_config
-    if label in ("fp8-block", "nvfp4", "mxfp4") and cfg.params_dtype not in (None, torch.bfloat16):
+    quantized = ("fp8-block", "nvfp4", "mxfp4", "ct-fp8-channel", "ct-fp8-block")
+    if label in quantized and cfg.params_dtype not in (None, torch.bfloat16):
         problems.append(
             f"{label} experts run on bf16 activations, but the model runs in "
             f"{str(cfg.params_dtype).removeprefix('torch.')}: serve it with --dtype bfloat16 "
@@ -432,6 +474,7 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
         device=torch.device(get_device().device),
         activation=activation,
         gate_up_interleaved=interleaved,
+        layer=layer,
     )
 
 
