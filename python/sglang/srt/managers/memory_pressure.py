@@ -388,7 +388,8 @@ class PressurePolicy:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+    """Bytes for a log line: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 # ---- the scheduler's side ------------------------------------------------------------------
@@ -456,6 +457,9 @@ def _reserve_flag() -> Tuple[Optional[str], bool]:
 
 
 def _state(scheduler) -> Optional[_PressureState]:
+    """The scheduler's :class:`_PressureState` once pressure mode can run, else None (made at
+    the first call after the expert cache is finalized; why it is inactive is kept, and logged
+    where an operator would expect it to run)."""
     st = getattr(scheduler, "_pressure_rebalance", None)
     if st is not None:
         return None if st.inactive else st
