@@ -205,6 +205,10 @@ def served(monkeypatch):
         cache.forward(layer, x, w, ids)
     monkeypatch.setattr(method, "_CACHE", cache)
     monkeypatch.setattr(auto, "CHECK_EVERY", 1)
+    # auto alone: no reserve (the host's free memory must not move the split here)
+    from sglang.srt.managers import memory_pressure
+
+    monkeypatch.setattr(memory_pressure, "_reserve_flag", lambda: ("0", True))
     sim = KVSim(kv_tokens=96, rows=12, context=64)
     rng = random.Random(3)
     for _ in range(6):
@@ -277,8 +281,9 @@ def test_off_flag_and_unresizable_kv_keep_auto_inactive(served, monkeypatch, cap
 
 
 def test_without_an_expert_cache_auto_stops_looking(monkeypatch):
-    """A server without the cache: the first call records auto as inactive, and later calls
-    return at once (no lookup of the cache at every scheduler iteration)."""
+    """A server without the cache: the first call records auto (and the reserve's pressure
+    mode, which runs first) as inactive, and later calls return at once (no lookup of the cache
+    at every scheduler iteration)."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.expert_cache import method
@@ -289,7 +294,8 @@ def test_without_an_expert_cache_auto_stops_looking(monkeypatch):
     for _ in range(5):
         auto.maybe_auto_rebalance(sched)
     assert sched._auto_rebalance.inactive == "no expert cache"
-    assert len(calls) == 1
+    assert sched._pressure_rebalance.inactive == "no expert cache"
+    assert len(calls) == 2  # one lookup each
 
 
 def test_slot_floor_counts_two_layers_with_prefill_streaming(served):

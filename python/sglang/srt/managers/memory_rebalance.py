@@ -233,7 +233,8 @@ def handle_rebalance_memory(scheduler, req, auto: bool = False):
 
     Returns:
         ``RebalanceMemoryReqOutput``: status 200 and ``split = {"expert_cache": {...} or None,
-        "kv": {...}}`` plus, after a resize, ``previous_slots``, ``previous_kv_tokens``,
+        "kv": {...}, "memory_pressure": {...} or None}`` (``memory_pressure.pressure_split``)
+        plus, after a resize, ``previous_slots``, ``previous_kv_tokens``,
         ``released_bytes`` (slots and KV), ``time_ms``, ``dry_run`` and ``kv_resize`` (the KV
         step's figures); 400 for a target refused (the message names the floor or the largest
         feasible target, or says what does not resize); 500 when a resize failed and rolled
@@ -275,6 +276,12 @@ def handle_rebalance_memory(scheduler, req, auto: bool = False):
             split["kv"] = kv_split(scheduler)
         except Exception as e:  # noqa: BLE001 - the answer must go out
             split["kv"] = {"error": str(e)}
+        try:
+            from sglang.srt.managers.memory_pressure import pressure_split
+
+            split["memory_pressure"] = pressure_split(scheduler)
+        except Exception as e:  # noqa: BLE001 - the answer must go out
+            split["memory_pressure"] = {"error": str(e)}
         split.update(extra or {})
         return RebalanceMemoryReqOutput(
             success=status == HTTPStatus.OK,

@@ -388,7 +388,11 @@ def _state(scheduler) -> Optional[_AutoState]:
 
 def note_explicit_rebalance(scheduler) -> None:
     """After an explicit ``/rebalance_memory``: its slot count becomes the one auto restores
-    to, and the policy starts a cooldown (an operator's split is not undone at once)."""
+    to, and the policy starts a cooldown (an operator's split is not undone at once); the
+    pressure mode owes nothing any more (``memory_pressure.note_explicit_rebalance``)."""
+    from sglang.srt.managers.memory_pressure import note_explicit_rebalance as pressure_note
+
+    pressure_note(scheduler)
     st = getattr(scheduler, "_auto_rebalance", None)
     if st is None or st.inactive:
         return
@@ -409,13 +413,21 @@ def maybe_auto_rebalance(scheduler) -> None:
     endpoint's path: dry run, shrink first, rollback on failure, KV accounting check). Never
     raises (a failure is logged and counted; the split stays where the handler left it)."""
     try:
+        idle = not getattr(scheduler, "waiting_queue", None) and not getattr(
+            scheduler.running_batch, "reqs", None
+        )
+        from sglang.srt.managers.memory_pressure import maybe_pressure_rebalance
+
+        if maybe_pressure_rebalance(scheduler, idle):  # the reserve first; then auto waits
+            st = getattr(scheduler, "_auto_rebalance", None)
+            if st is not None and not st.inactive:
+                st.policy.pressure_streak = st.policy.calm_streak = 0
+                st.policy.cooldown_left = st.policy.cooldown
+            return
         st = _state(scheduler)
         if st is None:
             return
         st.iterations += 1
-        idle = not getattr(scheduler, "waiting_queue", None) and not getattr(
-            scheduler.running_batch, "reqs", None
-        )
         if st.iterations % CHECK_EVERY and not idle:  # idle iterations are ~1 s apart
             return
         from sglang.srt.layers.moe.expert_cache.method import get_expert_slot_cache
@@ -423,7 +435,11 @@ def maybe_auto_rebalance(scheduler) -> None:
 
         cache = get_expert_slot_cache()
         el, _ = elastic_kv_of(scheduler)
-        move = st.policy.step(observe(scheduler, el, cache, st.slot_ceiling))
+        from sglang.srt.managers.memory_pressure import owed_slots
+
+        # slots the reserve took are not auto's to give back (pressure returns them)
+        ceiling = max(slot_floor(cache), st.slot_ceiling - owed_slots(scheduler))
+        move = st.policy.step(observe(scheduler, el, cache, ceiling))
         if move is None:
             return
         _apply(scheduler, st, cache, el, move)

@@ -153,6 +153,8 @@ class ExpertSlotCache:
         self.rebalances = 0
         self.rebalance_failures = 0
         self.auto_rebalances = 0  # moves of --expert-cache-rebalance auto (managers module)
+        # moves of --expert-cache-rebalance-reserve (managers/memory_pressure.py)
+        self.pressure_rebalances = 0
         self.last_rebalance_ms = 0.0
         self.metrics = ExpertCacheMetrics(self.snapshot, self.device)
         self.recorder = None
@@ -596,6 +598,8 @@ class ExpertSlotCache:
         calls), calls (layer calls), slots, occupied_slots, fill_ratio (B_P / B_H),
         slot_bytes (slots x bytes of one expert), rebalances, rebalance_failures,
         auto_rebalances (the moves of ``--expert-cache-rebalance auto``, also in rebalances),
+        pressure_rebalances (the moves of ``--expert-cache-rebalance-reserve``, also in
+        rebalances),
         last_rebalance_ms (module ``rebalance``), live_fill_gbps / live_cpu_gbps (B_P / B_H
         over the drift window, GB/s, nan before a sample) and bandwidth_updates (their
         re-derivations; module ``bandwidth_drift``).
@@ -614,6 +618,7 @@ class ExpertSlotCache:
             rebalances=self.rebalances,
             rebalance_failures=self.rebalance_failures,
             auto_rebalances=self.auto_rebalances,
+            pressure_rebalances=self.pressure_rebalances,
             last_rebalance_ms=self.last_rebalance_ms,
             live_fill_gbps=self.drift.live_fill_gbps if self.drift else float("nan"),
             live_cpu_gbps=self.drift.live_cpu_gbps if self.drift else float("nan"),

@@ -141,6 +141,9 @@ class ExpertCacheConfig:
         max_fills = getattr(moe, "expert_cache_max_fills", None)
         if max_fills is not None and max_fills < 1:
             raise ValueError(f"--expert-cache-max-fills must be >= 1; got {max_fills}")
+        from sglang.srt.managers.memory_pressure import Reserve
+
+        Reserve.parse(getattr(moe, "expert_cache_rebalance_reserve", None))  # fail at startup
         return cls(
             size=CacheSize.parse(getattr(moe, "expert_cache_size", None)),
             policy=MissPolicy.parse(getattr(moe, "expert_cache_policy", "qstar")),

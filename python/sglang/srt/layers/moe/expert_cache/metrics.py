@@ -1,7 +1,7 @@
 """Prometheus export of the expert cache's counters (``--enable-metrics``).
 
 Counters ``sglang:expert_cache_{hits,misses,fills,cpu_experts,calls,rebalances,
-rebalance_failures,auto_rebalances,bandwidth_updates}_total`` and gauges ``sglang:expert_cache_{slots,
+rebalance_failures,auto_rebalances,pressure_rebalances,bandwidth_updates}_total`` and gauges ``sglang:expert_cache_{slots,
 occupied_slots,fill_ratio,slot_bytes,last_rebalance_ms,live_fill_gbps,live_cpu_gbps,
 fills_per_layer_call}``, from
 :meth:`ExpertSlotCache.snapshot`. Layer calls replayed from a CUDA graph run no Python, so the
@@ -24,6 +24,8 @@ _COUNTERS = {
     "rebalances": "Slot-pool resizes done by /rebalance_memory",
     "rebalance_failures": "Slot-pool resizes that failed and rolled back",
     "auto_rebalances": "Moves of --expert-cache-rebalance auto (KV pages <-> expert slots)",
+    "pressure_rebalances": "Moves of --expert-cache-rebalance-reserve (shrinks when another "
+    "process took memory, grows when it is free again)",
     "bandwidth_updates": "Re-derivations of B_P / B_H from the served layer calls",
 }
 _GAUGES = {
