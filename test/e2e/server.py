@@ -70,8 +70,19 @@ def free_port() -> int:
 
 
 def server_args(model: Path, port: int, extra: list[str] | None = None) -> list[str]:
-    """Command line of `make serve` (scripts/serve.sh, the one place the flags live)."""
-    return ["bash", str(REPO / "scripts" / "serve.sh"), str(model), str(port), *(extra or [])]
+    """Command line of `make serve` (scripts/serve.sh, the one place the flags live).
+
+    With ``--enable-expert-cache`` and no ``--expert-cache-rebalance-reserve`` in ``extra``,
+    the reserve is set to 0: the default (5% of the host's memory, read from ``MemAvailable``)
+    would let the free memory of this shared test machine move the slot and KV counts the
+    tests assert; the pressure tests set a reserve and a simulated device themselves
+    (``test_elastic_load.py``)."""
+    extra = list(extra or [])
+    if "--enable-expert-cache" in extra and not any(
+        a.startswith("--expert-cache-rebalance-reserve") for a in extra
+    ):
+        extra += ["--expert-cache-rebalance-reserve", "0"]
+    return ["bash", str(REPO / "scripts" / "serve.sh"), str(model), str(port), *extra]
 
 
 @dataclass

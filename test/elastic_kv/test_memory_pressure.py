@@ -405,3 +405,70 @@ def test_where_a_shrink_frees_nothing_pressure_stays_off(served, monkeypatch, ca
     assert sum("reserve is inactive" in r.message for r in caplog.records) == 1
     assert cache.num_slots == slots and cache.pressure_rebalances == 0
     assert mp.shrink_frees_memory(cache, sim.elastic)  # resizable KV pages would do
+
+
+def _under_pressure(served, monkeypatch):
+    """The served scheduler with free memory well below a reserve (a shrink is due)."""
+    sim, sched, cache, capacity = served
+    fp0 = mp.footprint_bytes(cache, sim.elastic)
+    reserve = 4 * cache.host.expert_bytes
+    monkeypatch.setattr(mp, "_reserve_flag", lambda: (str(reserve), True))
+    capacity.write_text(str(fp0 + reserve // 2))
+    return sim, sched, cache
+
+
+def test_a_shrink_that_returns_no_memory_is_undone_and_pressure_stops(served, monkeypatch, caplog):
+    """A shrink whose answer says 0 bytes were released (the pools could not give their tails
+    back) only slowed the server down: it is undone through the handler at once and pressure
+    mode turns itself off, with one warning."""
+    sim, sched, cache = _under_pressure(served, monkeypatch)
+    slots0, kv0 = cache.num_slots, sim.elastic.size
+    real = mp._handle
+    calls = []
+
+    def no_release(scheduler, slots, kv_tokens):
+        out = real(scheduler, slots, kv_tokens)
+        calls.append((slots, kv_tokens))
+        if out.success and out.split is not None:
+            out.split["released_bytes"] = 0
+        return out
+
+    monkeypatch.setattr(mp, "_handle", no_release)
+    with caplog.at_level("WARNING", logger=mp.logger.name):
+        for _ in range(6):
+            mp.maybe_pressure_rebalance(sched, idle=True)
+    assert len(calls) == 2 and calls[0][0] < slots0, calls  # the shrink, then its undo
+    assert calls[1] == (slots0, kv0)
+    assert (cache.num_slots, sim.elastic.size) == (slots0, kv0)
+    st = sched._pressure_rebalance
+    assert "returned no memory" in st.inactive and "undone: yes" in st.inactive
+    assert sum("reserve is inactive" in r.message for r in caplog.records) == 1
+    assert mp.pressure_split(sched) == {"active": False, "why": st.inactive}
+    assert sim.accounting() == [] and sim.kv_problems() == []
+
+
+def test_a_refused_move_backs_off_and_warns_once(served, monkeypatch, caplog):
+    """A move the handler refuses is not retried at every check: the cooldown doubles after
+    each failure (up to 64x), and one warning covers the run of failures."""
+    from sglang.srt.managers.io_struct import RebalanceMemoryReqOutput
+
+    sim, sched, cache = _under_pressure(served, monkeypatch)
+    slots0 = cache.num_slots
+    tries = []
+
+    def refuse(scheduler, slots, kv_tokens):
+        tries.append(slots)
+        return RebalanceMemoryReqOutput(success=False, status_code=400, message="refused")
+
+    monkeypatch.setattr(mp, "_handle", refuse)
+    mp.maybe_pressure_rebalance(sched, idle=True)  # builds the state with the default policy
+    sched._pressure_rebalance.policy = PressurePolicy(cooldown=1, min_margin_bytes=0)
+    with caplog.at_level("WARNING", logger=mp.logger.name):
+        for _ in range(60):
+            mp.maybe_pressure_rebalance(sched, idle=True)
+    # cooldowns 1, 2, 4, 8, 16, 32 checks between tries: 6 tries in 60 checks, not 30+
+    assert 4 <= len(tries) <= 7, len(tries)
+    st = sched._pressure_rebalance
+    assert st.failures == len(tries)
+    assert sum("refused or failed" in r.message for r in caplog.records) == 1
+    assert cache.num_slots == slots0 and st.inactive is None

@@ -30,7 +30,9 @@ The probes (:func:`default_probe`):
 
 Where a shrink cannot return memory (CUDA slots, which are one allocation of the startup size
 until the VMM reservation exists, with KV pages that do not resize: :func:`shrink_frees_memory`)
-pressure mode stays off, with one warning: shrinking would only slow the server down. The
+pressure mode stays off, with one warning: shrinking would only slow the server down; a
+shrink whose answer says it released nothing is undone and turns pressure mode off. A refused
+or failed move is retried after a cooldown that doubles with each failure in a row. The
 bytes a move logs are the pools' sizes; on the CPU a slot row never filled since the last
 shrink was never committed, so the resident memory may drop by less.
 """
@@ -144,7 +146,13 @@ class CudaProbe:
     def read(self) -> Optional[MemoryReading]:
         import torch
 
-        free, total = torch.cuda.mem_get_info(self.device)
+        try:
+            free, total = torch.cuda.mem_get_info(self.device)
+        except Exception as e:  # noqa: BLE001 - a driver error skips the check, logged once
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                logger.warning("expert-cache rebalance reserve: cannot read free memory: %s", e)
+            return None
         return MemoryReading(int(free), int(total))
 
 
@@ -407,6 +415,7 @@ class _PressureState:
     inactive: Optional[str] = None
     moves: int = 0
     failures: int = 0
+    failure_streak: int = 0  # consecutive failed moves (the backoff's exponent)
     short_warned: bool = False
     last: Optional[MemoryReading] = None
 
@@ -639,10 +648,16 @@ def _apply(scheduler, st: _PressureState, cache, el, obs, move: PressureMove) ->
     out = _handle(scheduler, move.slots, move.kv_tokens if el is not None else None)
     after = (int(cache.num_slots), el.size if el is not None else 0)
     if not out.success:
+        # Back off before the next try (a refusal recomputed at apply time, a KV resize that
+        # cannot commit, would otherwise rerun the dry run at every check), doubling up to 64x
+        # the cooldown; one warning per run of failures, the rest at debug level.
         st.failures += 1
-        logger.warning(
+        st.failure_streak += 1
+        st.policy.cooldown_left = max(1, st.policy.cooldown) * 2 ** min(st.failure_streak - 1, 6)
+        log = logger.warning if st.failure_streak == 1 else logger.debug
+        log(
             "expert-cache rebalance reserve: %s; slots %d -> %d, KV tokens %d -> %d refused or "
-            "failed (%d): %s; the split is slots %d, KV tokens %d",
+            "failed (%d): %s; the split is slots %d, KV tokens %d; next try in %d checks",
             move.reason,
             obs.slots,
             move.slots,
@@ -651,9 +666,21 @@ def _apply(scheduler, st: _PressureState, cache, el, obs, move: PressureMove) ->
             out.status_code,
             out.message,
             *after,
+            st.policy.cooldown_left,
         )
         return False
+    st.failure_streak = 0
     released = int(out.split.get("released_bytes") or 0)
+    if move.shrink and released <= 0:
+        # The shrink returned no memory (the pools could not release their tails here):
+        # shrinking would only slow the server down. Undo it and stop checking.
+        undo = _handle(scheduler, obs.slots, obs.kv_tokens if el is not None else None)
+        st.inactive = (
+            "a shrink returned no memory (slots %d -> %d, KV tokens %d -> %d; undone: %s)"
+            % (obs.slots, after[0], obs.kv_tokens, after[1], "yes" if undo.success else "no")
+        )
+        logger.warning("expert-cache rebalance reserve is inactive: %s", st.inactive)
+        return True
     if move.shrink and getattr(cache.device, "type", "cpu") == "cuda":
         import torch
 

@@ -162,6 +162,7 @@ def anchor_cache_factory(ctx: TreeCacheBuildContext) -> Optional[Callable]:
         min_gap=mamba.anchor_checkpoint_min_gap,
         max_states=mamba.anchor_checkpoint_max_states,
         emit=emit,
+        emit_explicit=emit and mode == "emit",
     )
 
 

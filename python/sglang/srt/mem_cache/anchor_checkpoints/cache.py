@@ -56,8 +56,12 @@ class AnchorRadixCache(UnifiedRadixCache):
         min_gap: int,
         max_states: int = -1,
         emit: bool = False,
+        emit_explicit: bool = False,
     ) -> None:
         super().__init__(params)
+        # --anchor-checkpoint-mode emit given (not picked by auto): a fallback to cutting is a
+        # warning then, an info line under auto (the flags may not tell which kernel runs).
+        self.anchor_emit_explicit = emit_explicit
         assert self.is_mamba_enabled and not self.enable_mamba_extra_buffer, (
             "anchor checkpoints need the no-buffer hybrid (mamba) radix cache"
         )
@@ -217,7 +221,8 @@ class AnchorRadixCache(UnifiedRadixCache):
             # No linear layer took the plan: linear layers other than gated DeltaNet, a GDN
             # prefill kernel that cannot write them (supports_state_emit), a strided state pool
             # that upstream gathers into copies for the kernel, or a graph-replayed prefill.
-            logger.warning(
+            log = logger.warning if self.anchor_emit_explicit else logger.info
+            log(
                 "Anchor checkpoints: no linear layer wrote the planned states (linear layers "
                 "other than gated DeltaNet, or a GDN prefill kernel or state pool that cannot "
                 "write them); cutting prefill chunks at anchors instead."
