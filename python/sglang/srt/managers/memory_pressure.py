@@ -42,9 +42,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Tuple
+
+from sglang.srt.layers.moe.expert_cache.config import _SIZE_RE, _UNIT_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +62,9 @@ DEFAULT_RESERVE = "5%"
 # as on a real device. Unset (always, outside tests): the real probe.
 CAPACITY_FILE_ENV = "SGLANG_TEST_REBALANCE_CAPACITY_FILE"
 
-_RESERVE_RE = re.compile(r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>%|[kKmMgGtT]i?[bB]|[bB])?\s*$")
-_UNIT_BYTES = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# The size grammar of --expert-cache-size (expert_cache/config.py): a number with an optional
+# decimal or binary unit, or a percentage; a bare number here is bytes.
+_RESERVE_RE = _SIZE_RE
 
 
 @dataclass(frozen=True)
@@ -108,7 +99,7 @@ class Reserve:
                     f"--expert-cache-rebalance-reserve percentage must be in [0, 100); got {spec!r}"
                 )
             return cls(fraction=num / 100.0)
-        return cls(nbytes=int(num * _UNIT_BYTES[unit]))
+        return cls(nbytes=int(num * (_UNIT_BYTES[unit] if unit else 1)))
 
     def resolve(self, total_bytes: int) -> int:
         """The reserve in bytes on a device of ``total_bytes``."""
