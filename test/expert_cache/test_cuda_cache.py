@@ -68,6 +68,7 @@ def test_forward_on_cuda_matches_the_cpu_cache(
     cpu = make_cache(size, policy)
     gpu = make_cache(size, policy, device="cuda")
     assert gpu.num_slots == cpu.num_slots and gpu.host._registered  # pinned by cudaHostRegister
+    assert all(t.is_pinned() for t in gpu.host.bank_list())  # as the bank copy checks
     for layer, x, w, ids in routing(steps=8, seed=4):
         want = cpu.forward(layer, x, w, ids)
         x_gpu = x.cuda()

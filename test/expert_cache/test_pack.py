@@ -445,3 +445,43 @@ def test_corrupt_pack_falls_back_to_checkpoint(model_results):
     assert "repack with `python -m sglang.srt.layers.moe.expert_cache.pack --model-path" in log
     for name, rows in res["checkpoint"]["banks"].items():
         assert torch.equal(rows, res["corrupt"]["banks"][name]), name
+
+
+class _RecordingCudart:
+    """``torch.cuda.cudart()`` that records each (un)registration instead of calling a driver."""
+
+    def __init__(self):
+        self.registered, self.unregistered = [], []
+
+    def cudaHostRegister(self, ptr, nbytes, _flags):
+        self.registered.append((ptr, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pin_registers_each_banks_whole_storage(monkeypatch):
+    """``ExpertBanks.pin`` registers every bank from its storage's base address (what
+    ``Tensor.is_pinned`` asks the driver about), which is also the bank's first byte (its own
+    page-aligned mapping): a bank that was a view into a larger buffer, registered from the view's
+    address, read as not pinned on a GPU and the bank copy refused the pool (the first GPU run of
+    scripts/gpu_checks.sh). Unpinning unregisters the same addresses."""
+    from sglang.srt.layers.moe.expert_cache import banks as banks_mod
+
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(banks_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(banks_mod.torch.cuda, "cudart", lambda: cudart)
+    host = ExpertBanks(BF16, 64, 32, 6, "cpu")
+    assert host.pin() and host._registered
+    spans = {}
+    for name, t in host.tensors.items():
+        base, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        assert base == t.data_ptr() and base % 4096 == 0
+        assert nbytes == t.numel() * t.element_size()
+        spans[name] = (base, nbytes)
+    assert sorted(cudart.registered) == sorted(spans.values())
+    assert host.pin() and len(cudart.registered) == len(spans)  # pinned once
+    host.unpin()
+    assert sorted(cudart.unregistered) == sorted(b for b, _ in spans.values())

@@ -152,6 +152,14 @@ def format_from_layer(
     return ExpertFormat(label=label, dtype=specs[0].dtype, specs=specs, weight_block_size=block)
 
 
+def _storage_span(t: torch.Tensor) -> Tuple[int, int]:
+    """(address, bytes) of the whole storage under ``t``: what ``cudaHostRegister`` must cover
+    for ``t.is_pinned()`` to hold, since torch asks the driver about the storage's base address,
+    not the view's (a bank registered from a view's address reads as not pinned)."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
 def _row_bytes(spec: BankSpec) -> int:
     """Bytes of one row (one expert) of a bank."""
     return math.prod(spec.row_shape) * torch.empty((), dtype=spec.dtype).element_size()
@@ -178,14 +186,17 @@ HOST_ALIGN = 4096
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized tensor; on the CPU its data starts at a ``HOST_ALIGN`` boundary
-    (a view into an untouched byte buffer ``HOST_ALIGN`` bytes larger)."""
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
+    """An uninitialized tensor; on the CPU its storage is an anonymous private mapping of its
+    own: it starts at a page boundary (a multiple of ``HOST_ALIGN``), its pages are committed
+    only when written, and no other allocation shares its first or last page, so
+    ``cudaHostRegister`` of the whole storage (:meth:`ExpertBanks.pin_bank`) never overlaps
+    another registration."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HOST_ALIGN
-    return raw[skip : skip + nbytes].view(dtype).view(shape)
+    if device.type != "cpu" or nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer keeps ``mm`` alive as long as the tensor (torch.frombuffer's docs).
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 class ExpertBanks:
@@ -298,7 +309,7 @@ class ExpertBanks:
         return True
 
     def pin_bank(self, name: str) -> bool:
-        """Page-lock one host bank (``cudaHostRegister`` of its whole tensor), e.g. as soon as
+        """Page-lock one host bank (``cudaHostRegister`` of its whole storage), e.g. as soon as
         a pack has filled it (:func:`pack_io.read_pack`'s ``pin``). Thread-safe against
         itself only; call before :meth:`pin`.
 
@@ -314,7 +325,8 @@ class ExpertBanks:
             return True
         if self.device.type != "cpu" or not torch.cuda.is_available():
             return False
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        ptr, nbytes = _storage_span(t)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
         if int(err) != 0:
             logger.warning(
                 "Expert cache: could not pin the %s host bank (%.2f GB, cudaError %s)",
@@ -331,6 +343,6 @@ class ExpertBanks:
         if self._pinned_banks:
             cudart = torch.cuda.cudart()
             for name in self._pinned_banks:
-                cudart.cudaHostUnregister(self.tensors[name].data_ptr())
+                cudart.cudaHostUnregister(_storage_span(self.tensors[name])[0])
         self._pinned_banks = set()
         self._registered = False
