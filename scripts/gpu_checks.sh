@@ -20,7 +20,9 @@
 #   install  the wheels into $GPU_SITE (/tmp/site) with pip --no-index --no-deps   (fatal)
 #   apply    our patch series and module links onto it (scripts/patch_queue.py)     (fatal)
 #   build    sgl_kernel_fork in place with its CUDA sources, for this GPU's arch    (fatal)
-#   tests    test_cuda_op.py (control op, bank copy, CPU branch eager and in a CUDA graph),
+#   tests    one pytest process per file (a native crash loses that file only and is rerun under
+#            gdb, where there is one, for its backtrace; GPU_CHECKS_TESTS names other files):
+#            test_cuda_op.py (control op, bank copy, CPU branch eager and in a CUDA graph),
 #            test_cuda_cache.py (whole layer calls on CUDA against the CPU cache, eager and in
 #            one CUDA graph; no-slot fallback), test_cuda_sources.py, the Triton slot path on
 #            real bf16 (test_triton_slot_path.py), banks pinned while a pack is read
@@ -208,23 +210,51 @@ fi
 standins=$("$PY" -c "from sglang.test.bare_fused_moe import install_cuda_standins as i; print('; '.join(i()) or 'none')" 2>&1 | tail -1)
 say "stand-ins for upstream's CUDA kernel wheel: $standins"
 if want tests; then
-  junit=$OUTDIR/junit.xml
-  step tests 300 "$PY" -m pytest -q -rfEs --junitxml="$junit" \
-    test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_cache.py \
-    test/expert_cache/test_cuda_sources.py test/expert_cache/test_triton_slot_path.py \
-    test/expert_cache/test_cuda_pack_pin.py test/sgl_kernel/test_gdn_emit_triton.py \
-    --deselect test/expert_cache/test_triton_slot_path.py::test_slot_experts_through_triton_fused_moe_add_up_with_the_cpu_branch
-  counts=$(grep -o '<testsuite [^>]*>' "$junit" 2>/dev/null | grep -o '\(tests\|failures\|errors\|skipped\)="[0-9]*"' | tr '\n' ' ')
-  if [ -z "$counts" ]; then
-    say "FAIL  tests: pytest wrote no report ($junit)"
-    failed=1
-  else
-    say "      tests: $counts"
-    if grep -q 'skipped="[1-9]' <<<"$counts"; then
-      say "FAIL  tests: a GPU test skipped on the GPU machine (the reasons: log.txt, -rs)"
+  # One pytest process per file: a crash (a segfault in a native op) loses that file only, and
+  # is rerun under gdb where the machine has it, for the native backtrace (in the summary).
+  TESTS=${GPU_CHECKS_TESTS:-test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_pack_pin.py
+    test/expert_cache/test_cuda_sources.py test/expert_cache/test_cuda_cache.py
+    test/expert_cache/test_triton_slot_path.py test/sgl_kernel/test_gdn_emit_triton.py}
+  deselect=test/expert_cache/test_triton_slot_path.py::test_slot_experts_through_triton_fused_moe_add_up_with_the_cpu_branch
+  tests_t0=$SECONDS
+  for f in $TESTS; do
+    left=$((300 - (SECONDS - tests_t0)))
+    name=tests:$(basename "$f" .py)
+    if [ $left -lt 20 ]; then
+      say "SKIP  $name: the tests step's 300s are spent"
       failed=1
+      continue
     fi
-  fi
+    junit=$OUTDIR/junit-$(basename "$f" .py).xml
+    rm -f "$junit"
+    n_before=$(wc -l <"$LOG")
+    step "$name" $((left < 150 ? left : 150)) "$PY" -X faulthandler -m pytest -q -rfEs \
+      -p no:cacheprovider --junitxml="$junit" "$f" --deselect "$deselect"
+    crashed=0
+    tail -n +$((n_before + 1)) "$LOG" | grep -q "Fatal Python error" && crashed=1
+    if [ $crashed = 1 ] && command -v gdb >/dev/null; then
+      say "      $name crashed: rerunning it under gdb for the native backtrace (log.txt)"
+      timeout --kill-after=5 120 gdb -q -batch -ex "set pagination off" \
+        -ex "set debuginfod enabled off" -ex "set print frame-arguments none" -ex run -ex "bt 30" \
+        -ex "info registers rip" --args "$PY" -m pytest -q -x -p no:faulthandler \
+        -p no:cacheprovider "$f" --deselect "$deselect" >"$OUTDIR/gdb-$(basename "$f" .py).txt" 2>&1
+      grep -E '^#[0-9]+ ' "$OUTDIR/gdb-$(basename "$f" .py).txt" | head -25 | sed 's/^/      /' |
+        tee -a "$SUMMARY" >>"$LOG"
+    elif [ $crashed = 1 ]; then
+      say "      $name crashed; no gdb on this machine for a native backtrace"
+    fi
+    counts=$(grep -o '<testsuite [^>]*>' "$junit" 2>/dev/null | grep -o '\(tests\|failures\|errors\|skipped\)="[0-9]*"' | tr '\n' ' ')
+    if [ -z "$counts" ]; then
+      say "FAIL  $name: pytest wrote no report ($junit)"
+      failed=1
+    else
+      say "      $name: $counts"
+      if grep -q 'skipped="[1-9]' <<<"$counts"; then
+        say "FAIL  $name: a GPU test skipped on the GPU machine (the reasons: log.txt, -rs)"
+        failed=1
+      fi
+    fi
+  done
 fi
 if want control; then
   step control 120 "$PY" benchmark/expert_cache/bench_control.py --device cuda &&
