@@ -373,6 +373,26 @@ def test_nvfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
         assert torch.equal(p, packed["params"][n]), n
 
 
+@pytest.mark.parametrize("quant", ["ct-fp8", "ct-fp8-block"])
+def test_compressed_tensors_fp8_pool_from_pack_bit_identical_to_checkpoint(
+    tmp_path_factory, quant
+):
+    """The compressed-tensors FP8 tiny models (``tiny_models --quant ct-fp8|ct-fp8-block``, the
+    FP8-Dynamic layouts: per-channel ``[2I, 1]`` / ``[H, 1]`` or 128 x 128 block
+    ``weight_scale`` banks): the pool and every other parameter loaded from the pack are
+    bit-identical to the checkpoint load."""
+    res, log = _pools(tmp_path_factory, quant, "--no-corrupt")
+    assert "loaded the host pool from the expert pack" in log
+    ckpt, packed = res["checkpoint"], res["pack"]
+    assert sorted(ckpt["banks"]) == ["w13", "w13_scale", "w2", "w2_scale"], sorted(ckpt["banks"])
+    for name in ckpt["banks"]:
+        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
+        assert ckpt["banks"][name].any(), name
+    assert ckpt["params"].keys() == packed["params"].keys()
+    for n, p in ckpt["params"].items():
+        assert torch.equal(p, packed["params"][n]), n
+
+
 def test_gpt_oss_mxfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
     """The tiny gpt-oss (MXFP4 as released, ``tiny_models --arch gpt_oss``): the six banks
     (e2m1 codes, e8m0 scales, gate/up and down biases, w13 tensors de-interleaved by the
