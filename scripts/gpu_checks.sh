@@ -267,7 +267,7 @@ if want step; then
 fi
 if want prefill; then
   # Qwen3.6-35B-A3B-like layers (256 experts of 2048 x 512, 6.3 MB each), 4 of them: a 6.4 GB
-  # pool; without the kernel wheel the stand-in align caps chunks at 32 tokens (the output says).
+  # pool; without the kernel wheel, chunks above 32 tokens take the align stand-in's sort path.
   step prefill 180 "$PY" benchmark/expert_cache/bench_prefill_stream.py --device cuda \
     --layers 4 --experts 256 --top-k 8 --hidden 2048 --intermediate 512 --reps 3 \
     --lengths 32,1024,8192 &&

@@ -54,8 +54,8 @@ Last line::
 
 qstar at 37% (graph replays on CUDA, eager on the CPU); ``qstar_vs_X`` = step ms of qstar / of
 policy X at 37% (below 1: qstar faster); ``graph_vs_eager`` = graph / eager ms of qstar at 37%
-(nan on the CPU). Decode batches up to 32 tokens; above that, on a GPU without upstream's CUDA
-kernels, the align stand-in refuses (``sglang/test/bare_fused_moe.py``).
+(nan on the CPU). On a GPU without upstream's CUDA kernels, decode batches above 32 tokens
+take the align stand-in's sort path (``sglang/test/bare_fused_moe.py``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``sglang/test/bare_fused_moe.py``: the stand-ins for upstream's CUDA kernel wheel that let the
 GPU checks run upstream's Triton fused MoE on the lent machine. Their arithmetic against plain
 torch, the stand-in package's import behaviour (in a fresh process), and that nothing is
-installed where it is not needed. The align stand-in runs under Triton's interpreter in
-``test_triton_slot_path.py``."""
+installed where it is not needed. The align stand-in's Triton path runs under Triton's
+interpreter in ``test_triton_slot_path.py``; its sort path (prefill chunks) here."""
 
 from __future__ import annotations
 
@@ -36,12 +36,47 @@ def test_silu_and_mul_is_silu_gate_times_up():
 
 
 def test_align_refuses_what_it_does_not_stand_in_for():
-    ids = torch.zeros(bare_fused_moe.ALIGN_MAX_ENTRIES + 1, 1, dtype=torch.int32)
+    ids = torch.zeros(4, 1, dtype=torch.int32)
     z = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="at most 256 routed entries"):
-        bare_fused_moe.moe_align_block_size(ids, 9, 16, z, z, z, z)
     with pytest.raises(NotImplementedError, match="ignore_invalid_expert=True"):
-        bare_fused_moe.moe_align_block_size(ids[:4], 9, 16, z, z, z, z, True, True)
+        bare_fused_moe.moe_align_block_size(ids, 9, 16, z, z, z, z, True, True)
+
+
+def _align_reference(ids, num_experts, block_size):
+    """The "+1 offset" align in plain Python: (the used prefix of sorted_token_ids, expert_ids
+    of the used blocks, total)."""
+    flat = [int(v) + 1 for v in ids.reshape(-1)]
+    numel = len(flat)
+    sorted_ids, expert_ids = [], []
+    for b in range(num_experts):
+        members = [i for i, v in enumerate(flat) if v == b]
+        if not members:
+            continue
+        n = -(-len(members) // block_size) * block_size
+        sorted_ids += members + [numel] * (n - len(members))
+        expert_ids += [b - 1] * (n // block_size)
+    return sorted_ids, expert_ids, len(sorted_ids)
+
+
+@pytest.mark.parametrize("T, K, E, block", [(300, 8, 64, 16), (37, 8, 256, 64), (1024, 2, 8, 32)])
+def test_align_by_sort_matches_the_plus_one_offset_contract(T, K, E, block):
+    """The align of prefill chunks (above ``ALIGN_MAX_ENTRIES``): every bucket's entries in
+    entry order, padded with ``numel`` to a block multiple, the blocks' experts (-1 for the
+    filtered bucket), the total; the buffers past the total untouched."""
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(-1, E, (T, K), generator=g, dtype=torch.int32)
+    ids[: T // 4] = torch.randint(0, 3, (T // 4, K), generator=g, dtype=torch.int32)  # skew
+    cap = T * K + (E + 1) * block
+    sorted_ids = torch.full((cap,), -7, dtype=torch.int32)
+    expert_ids = torch.full((cap // block,), -7, dtype=torch.int32)
+    post_pad = torch.zeros(1, dtype=torch.int32)
+    z = torch.zeros(1, dtype=torch.int32)
+    bare_fused_moe.moe_align_block_size(ids, E + 1, block, sorted_ids, expert_ids, post_pad, z)
+    want_sorted, want_experts, total = _align_reference(ids, E + 1, block)
+    assert int(post_pad) == total
+    assert sorted_ids[:total].tolist() == want_sorted
+    assert expert_ids[: total // block].tolist() == want_experts
+    assert (sorted_ids[total:] == -7).all() and (expert_ids[total // block :] == -7).all()
 
 
 def test_nothing_is_installed_without_cuda():

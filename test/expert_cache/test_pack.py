@@ -374,9 +374,7 @@ def test_nvfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quant", ["ct-fp8", "ct-fp8-block"])
-def test_compressed_tensors_fp8_pool_from_pack_bit_identical_to_checkpoint(
-    tmp_path_factory, quant
-):
+def test_compressed_tensors_fp8_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory, quant):
     """The compressed-tensors FP8 tiny models (``tiny_models --quant ct-fp8|ct-fp8-block``, the
     FP8-Dynamic layouts: per-channel ``[2I, 1]`` / ``[H, 1]`` or 128 x 128 block
     ``weight_scale`` banks): the pool and every other parameter loaded from the pack are

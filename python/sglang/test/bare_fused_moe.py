@@ -9,11 +9,12 @@ nvcc but no package registry, and that wheel (~1.5 GB) cannot travel there.
 equivalent, and says which it replaced:
 
 * ``sgl_kernel.moe_align_block_size`` (slot tables of at most 63 slots, or more than 64 routed
-  entries): upstream's own Triton single-launch align,
-  ``sglang.kernels.ops.moe.moe_align_small_numel``, which CUDA itself runs for decode batches
-  on larger tables; the same "+1 offset" contract (a -1 entry lands in a block of expert -1,
-  which the GEMMs skip). It is correct at any size but its pairwise tensors grow as
-  ``numel ** 2``, so batches of more than :data:`ALIGN_MAX_ENTRIES` routed entries are refused;
+  entries): up to :data:`ALIGN_MAX_ENTRIES` routed entries upstream's own Triton single-launch
+  align, ``sglang.kernels.ops.moe.moe_align_small_numel``, which CUDA itself runs for decode
+  batches on larger tables (its pairwise tensors grow as ``numel ** 2``); above that, prefill
+  chunks, :func:`align_by_sort` (a stable sort by bucket, in torch ops that need no host sync).
+  Both keep the "+1 offset" contract: a -1 entry lands in a block of expert -1, which the GEMMs
+  skip;
 * ``sgl_kernel.moe_sum_reduce`` (the top-k sum of batches above 32 tokens): the sum over k in
   float32, times the scaling factor, rounded once to the output dtype;
 * ``fused_moe.silu_and_mul`` (a tvm-ffi JIT kernel): ``silu(gate) * up`` in float32, rounded
@@ -56,35 +57,86 @@ def moe_align_block_size(
     pad_sorted_token_ids: bool = False,
     ignore_invalid_expert: bool = False,
 ) -> None:
-    """``sgl_kernel.moe_align_block_size`` through upstream's Triton single-launch align.
+    """``sgl_kernel.moe_align_block_size``: upstream's Triton single-launch align up to
+    :data:`ALIGN_MAX_ENTRIES` routed entries, :func:`align_by_sort` above.
 
     Args:
         topk_ids: [T, K] routed ids in ``[-1, num_experts - 1)``.
         num_experts: the bucket count ``E + 1`` of the "+1 offset" convention.
         block_size: rows per GEMM block (``BLOCK_SIZE_M``).
         sorted_token_ids, expert_ids, num_tokens_post_pad: the outputs, written in place.
-        cumsum_buffer: unused (a single block needs no scratch).
+        cumsum_buffer: unused (neither path needs the CUDA kernel's scratch).
         pad_sorted_token_ids: fill all of ``sorted_token_ids`` with ``T * K`` first, as the
             CUDA kernel does.
 
     Raises:
-        NotImplementedError: ``ignore_invalid_expert`` (another contract) or more than
-            :data:`ALIGN_MAX_ENTRIES` routed entries.
+        NotImplementedError: ``ignore_invalid_expert`` (another contract).
     """
-    if ignore_invalid_expert or topk_ids.numel() > ALIGN_MAX_ENTRIES:
+    if ignore_invalid_expert:
         raise NotImplementedError(
-            f"the stand-in moe_align_block_size (sglang/test/bare_fused_moe.py) handles the "
-            f"+1-offset contract for at most {ALIGN_MAX_ENTRIES} routed entries; got "
-            f"{topk_ids.numel()} entries, ignore_invalid_expert={ignore_invalid_expert}. "
-            "Install upstream's sglang-kernel for larger batches"
+            "the stand-in moe_align_block_size (sglang/test/bare_fused_moe.py) handles the "
+            "+1-offset contract only; got ignore_invalid_expert=True. Install upstream's "
+            "sglang-kernel for that contract"
         )
-    from sglang.kernels.ops.moe.moe_align_small_numel import moe_align_small_numel
-
     if pad_sorted_token_ids:
         sorted_token_ids.fill_(topk_ids.numel())
+    if topk_ids.numel() > ALIGN_MAX_ENTRIES:
+        align_by_sort(
+            topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad
+        )
+        return
+    from sglang.kernels.ops.moe.moe_align_small_numel import moe_align_small_numel
+
     moe_align_small_numel(
         topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad
     )
+
+
+def align_by_sort(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size: int,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_pad: torch.Tensor,
+) -> None:
+    """The align of any batch by a stable sort on the bucket (``id + 1``), with the output
+    contract of upstream's ``moe_align_small_numel``: bucket b's entries, in entry order, from
+    ``offset[b]`` (the padded sizes of the buckets before it), each bucket padded to a multiple
+    of ``block_size`` with ``numel``; ``expert_ids[j]`` = the bucket of block j minus one, for the
+    blocks below ``num_tokens_post_pad[0]`` (the total); the rest of the outputs untouched.
+
+    Args:
+        topk_ids: [T, K] int ids in ``[-1, num_experts - 1)``, on any device.
+        num_experts: the bucket count ``E + 1``.
+        block_size: rows per block.
+        sorted_token_ids: int32 [>= total]; expert_ids: int32 [>= total / block_size];
+        num_tokens_post_pad: int32 [>= 1]; all written in place.
+
+    Torch ops only, none with a host sync (no ``.item()``, no ``bincount``), so it can be
+    captured in a CUDA graph. Cost: a sort of the T * K entries.
+    """
+    dev = topk_ids.device
+    bucket = topk_ids.reshape(-1).to(torch.int64) + 1
+    numel = bucket.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + block_size - 1) // block_size * block_size
+    ends = torch.cumsum(padded, 0)  # padded bucket ends
+    starts = ends - padded
+    order = torch.sort(bucket, stable=True).indices  # entries grouped by bucket, stable
+    first = torch.cumsum(counts, 0) - counts  # each bucket's first index in ``order``
+    sb = bucket[order]
+    pos = starts[sb] + torch.arange(numel, device=dev) - first[sb]
+    total = ends[-1:]
+    fill = torch.full((sorted_token_ids.numel(),), numel, dtype=torch.int64, device=dev)
+    used = torch.arange(sorted_token_ids.numel(), device=dev) < total
+    sorted_token_ids.copy_(torch.where(used, fill, sorted_token_ids.to(torch.int64)))
+    sorted_token_ids.scatter_(0, pos, order.to(sorted_token_ids.dtype))
+    block_start = torch.arange(expert_ids.numel(), device=dev) * block_size
+    block_bucket = torch.searchsorted(ends, block_start, right=True).clamp_(max=num_experts - 1)
+    expert_ids.copy_(torch.where(block_start < total, block_bucket - 1, expert_ids.to(torch.int64)))
+    num_tokens_post_pad[:1].copy_(total)
 
 
 def moe_sum_reduce(x: torch.Tensor, out: torch.Tensor, routed_scaling_factor: float) -> None:
@@ -187,7 +239,8 @@ def install_cuda_standins() -> List[str]:
     fused.silu_and_mul = silu_and_mul
     _INSTALLED.extend(
         [
-            "sgl_kernel.moe_align_block_size -> upstream's Triton moe_align_small_numel",
+            "sgl_kernel.moe_align_block_size -> upstream's Triton moe_align_small_numel (at most "
+            f"{ALIGN_MAX_ENTRIES} routed entries), a torch stable sort above",
             "sgl_kernel.moe_sum_reduce -> torch float32 sum over top-k",
             "fused_moe.silu_and_mul (tvm-ffi JIT) -> torch float32 silu(gate) * up",
             "other sgl_kernel names -> raise RuntimeError when called",
