@@ -20,7 +20,8 @@
 #   install  the wheels into $GPU_SITE (/tmp/site) with pip --no-index --no-deps   (fatal)
 #   apply    our patch series and module links onto it (scripts/patch_queue.py)     (fatal)
 #   build    sgl_kernel_fork in place with its CUDA sources, for this GPU's arch    (fatal)
-#   tests    one pytest process per file (a native crash loses that file only and is rerun under
+#   tests    a probe that C++ exceptions raise (a CPU op's, a CUDA op's) beside upstream's
+#            imports, then one pytest process per file (a native crash loses that file only and is rerun under
 #            gdb, where there is one, for its backtrace; GPU_CHECKS_TESTS names other files):
 #            test_cuda_op.py (control op, bank copy, CPU branch eager and in a CUDA graph),
 #            test_cuda_cache.py (whole layer calls on CUDA against the CPU cache, eager and in
@@ -210,6 +211,28 @@ fi
 standins=$("$PY" -c "from sglang.test.bare_fused_moe import install_cuda_standins as i; print('; '.join(i()) or 'none')" 2>&1 | tail -1)
 say "stand-ins for upstream's CUDA kernel wheel: $standins"
 if want tests; then
+  # Whether a C++ exception survives in a process with upstream imported beside the stand-ins
+  # (the first GPU run segfaulted where test_cuda_op expects one): from the CPU ops' library,
+  # then from the CUDA one. Not fatal; a crash here points at the environment, not at a test.
+  step throw-probe 60 "$PY" -X faulthandler -c "
+import torch, sgl_kernel_fork
+from sglang.test.bare_fused_moe import install_cuda_standins
+install_cuda_standins()
+from sglang.srt.layers.moe.expert_cache import control
+for what, call in (
+    ('cpu op', lambda: torch.ops.sgl_kernel.expert_pool_set_threads(-1)),
+    ('cuda op', lambda: control.expert_cache_control(
+        torch.ones(1, 1, dtype=torch.int32, device='cuda'), 0, 4097,
+        control.ExpertCacheTables.allocate(1, 4097, 8, 'cuda'),
+        control.FillList.allocate(4, 'cuda'), 1.0, 0)),
+):
+    try:
+        call()
+    except RuntimeError as e:
+        print(what, 'raised:', str(e).splitlines()[0])
+    else:
+        raise SystemExit(what + ' did not raise')
+"
   # One pytest process per file: a crash (a segfault in a native op) loses that file only, and
   # is rerun under gdb where the machine has it, for the native backtrace (in the summary).
   TESTS=${GPU_CHECKS_TESTS:-test/expert_cache/test_cuda_op.py test/expert_cache/test_cuda_pack_pin.py

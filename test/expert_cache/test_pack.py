@@ -16,6 +16,7 @@ the same (pack against checkpoint) for its block-FP8 build, FP8 and scale banks 
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -503,3 +504,28 @@ def test_pin_registers_each_banks_whole_storage(monkeypatch):
     assert host.pin() and len(cudart.registered) == len(spans)  # pinned once
     host.unpin()
     assert sorted(cudart.unregistered) == sorted(b for b, _ in spans.values())
+    del host
+    gc.collect()
+    assert len(cudart.unregistered) == len(spans)  # unpinned already: not again when freed
+
+
+def test_a_pinned_bank_is_unregistered_when_its_memory_is_freed(monkeypatch):
+    """A pool dropped while pinned (a cache rebuilt, a test's pool) is unregistered with the
+    driver once its mapping is freed: not while a view of a bank still holds it, and a
+    registration of dead memory would make the next pool at that address unpinnable."""
+    from sglang.srt.layers.moe.expert_cache import banks as banks_mod
+
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(banks_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(banks_mod.torch.cuda, "cudart", lambda: cudart)
+    host = ExpertBanks(BF16, 64, 32, 6, "cpu")
+    assert host.pin()
+    bases = sorted(t.data_ptr() for t in host.tensors.values())
+    view = host["w2"][1:3]  # a view keeps its bank's mapping alive
+    del host
+    gc.collect()
+    w13_base = [b for b in bases if b != view.untyped_storage().data_ptr()]
+    assert cudart.unregistered == w13_base
+    del view
+    gc.collect()
+    assert sorted(cudart.unregistered) == bases

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -185,18 +186,25 @@ def format_for_dtype(dtype: torch.dtype) -> ExpertFormat:
 HOST_ALIGN = 4096
 
 
-def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized tensor; on the CPU its storage is an anonymous private mapping of its
-    own: it starts at a page boundary (a multiple of ``HOST_ALIGN``), its pages are committed
-    only when written, and no other allocation shares its first or last page, so
-    ``cudaHostRegister`` of the whole storage (:meth:`ExpertBanks.pin_bank`) never overlaps
-    another registration."""
+def _empty(
+    shape, dtype: torch.dtype, device: torch.device
+) -> Tuple[torch.Tensor, Optional[mmap.mmap]]:
+    """An uninitialized tensor, and on the CPU the mapping under it: its storage is an anonymous
+    private mapping of its own, so it starts at a page boundary (a multiple of ``HOST_ALIGN``),
+    its pages are committed only when written, and no other allocation shares its first or last
+    page (``cudaHostRegister`` of the whole storage, :meth:`ExpertBanks.pin_bank`, never overlaps
+    another registration). The mapping lives while the tensor or any view of it does (torch's
+    frombuffer holds it); None on other devices or for zero bytes."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device), None
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # frombuffer keeps ``mm`` alive as long as the tensor (torch.frombuffer's docs).
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape), mm
+
+
+def _unregister_host(ptr: int) -> None:
+    """``cudaHostUnregister(ptr)``, for a pinned bank's mapping that is being freed."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class ExpertBanks:
@@ -231,15 +239,21 @@ class ExpertBanks:
         self.specs = fmt.banks(hidden_size, intermediate_size)
         self.rows = rows
         self.device = torch.device(device)
-        self._maps: Dict[str, mmap.mmap] = {}
+        self._maps: Dict[str, mmap.mmap] = {}  # reserved banks' mappings (release_rows)
+        self._host_maps: Dict[str, mmap.mmap] = {}  # host banks' mappings (_empty)
         self.tensors: Dict[str, torch.Tensor] = {}
         for s in self.specs:
             if reserve and self.device.type == "cpu":
                 self.tensors[s.name] = self._reserved(s, rows)
             else:
-                self.tensors[s.name] = _empty((rows, *s.row_shape), s.dtype, self.device)
+                t, mm = _empty((rows, *s.row_shape), s.dtype, self.device)
+                self.tensors[s.name] = t
+                if mm is not None:
+                    self._host_maps[s.name] = mm
         self._registered = False  # every bank pinned (pin())
         self._pinned_banks: set = set()  # banks pinned so far (pin_bank())
+        # bank -> the finalizer that unregisters it when its mapping is freed (pin_bank())
+        self._unpin_at_free: Dict[str, weakref.finalize] = {}
 
     def _reserved(self, spec: BankSpec, rows: int) -> torch.Tensor:
         nbytes = rows * _row_bytes(spec)
@@ -336,6 +350,14 @@ class ExpertBanks:
             )
             return False
         self._pinned_banks.add(name)
+        mm = self._host_maps.get(name)
+        if mm is not None:
+            # The driver must not keep a registration of memory that is gone: a later mapping
+            # at the same address could not be registered (and every expert would run on the
+            # CPU). Not at interpreter exit: the process's memory goes with it.
+            fin = weakref.finalize(mm, _unregister_host, ptr)
+            fin.atexit = False
+            self._unpin_at_free[name] = fin
         return True
 
     def unpin(self) -> None:
@@ -343,6 +365,9 @@ class ExpertBanks:
         if self._pinned_banks:
             cudart = torch.cuda.cudart()
             for name in self._pinned_banks:
+                fin = self._unpin_at_free.pop(name, None)
+                if fin is not None:
+                    fin.detach()
                 cudart.cudaHostUnregister(_storage_span(self.tensors[name])[0])
         self._pinned_banks = set()
         self._registered = False
