@@ -342,20 +342,26 @@ def model_results(tmp_path_factory):
     return _pools(tmp_path_factory, None)
 
 
-def test_fp8_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
-    """The block-FP8 tiny model (``tiny_models --quant fp8``): the pool (FP8 weights and their
-    ``weight_scale_inv`` banks) and every other parameter loaded from the pack are
-    bit-identical to the checkpoint load (a second subprocess, ~25 s)."""
-    res, log = _pools(tmp_path_factory, "fp8", "--no-corrupt")
+def _assert_pack_load_matches_checkpoint(res, log, banks):
+    """The pool (exactly ``banks``, each nonzero) and every other parameter loaded from the
+    pack are bit-identical to the checkpoint load."""
     assert "loaded the host pool from the expert pack" in log
     ckpt, packed = res["checkpoint"], res["pack"]
-    assert len(ckpt["banks"]) == 4, sorted(ckpt["banks"])  # w13, w2 and their scales
+    assert sorted(ckpt["banks"]) == sorted(banks), sorted(ckpt["banks"])
     for name in ckpt["banks"]:
         assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
         assert ckpt["banks"][name].any(), name
     assert ckpt["params"].keys() == packed["params"].keys()
     for n, p in ckpt["params"].items():
         assert torch.equal(p, packed["params"][n]), n
+
+
+def test_fp8_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
+    """The block-FP8 tiny model (``tiny_models --quant fp8``): the pool (FP8 weights and their
+    ``weight_scale_inv`` banks) and every other parameter loaded from the pack are
+    bit-identical to the checkpoint load (a second subprocess, ~25 s)."""
+    res, log = _pools(tmp_path_factory, "fp8", "--no-corrupt")
+    _assert_pack_load_matches_checkpoint(res, log, ["w13", "w13_scale", "w2", "w2_scale"])
 
 
 def test_nvfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
@@ -363,15 +369,8 @@ def test_nvfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
     weights, e4m3 block scales, the per-expert global scales of w13 and w2) and every other
     parameter loaded from the pack are bit-identical to the checkpoint load."""
     res, log = _pools(tmp_path_factory, "nvfp4", "--no-corrupt")
-    assert "loaded the host pool from the expert pack" in log
-    ckpt, packed = res["checkpoint"], res["pack"]
-    assert len(ckpt["banks"]) == 6, sorted(ckpt["banks"])
-    for name in ckpt["banks"]:
-        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
-        assert ckpt["banks"][name].any(), name
-    assert ckpt["params"].keys() == packed["params"].keys()
-    for n, p in ckpt["params"].items():
-        assert torch.equal(p, packed["params"][n]), n
+    assert len(res["checkpoint"]["banks"]) == 6, sorted(res["checkpoint"]["banks"])
+    _assert_pack_load_matches_checkpoint(res, log, res["checkpoint"]["banks"])
 
 
 @pytest.mark.parametrize("quant", ["ct-fp8", "ct-fp8-block"])
@@ -381,15 +380,7 @@ def test_compressed_tensors_fp8_pool_from_pack_bit_identical_to_checkpoint(tmp_p
     ``weight_scale`` banks): the pool and every other parameter loaded from the pack are
     bit-identical to the checkpoint load."""
     res, log = _pools(tmp_path_factory, quant, "--no-corrupt")
-    assert "loaded the host pool from the expert pack" in log
-    ckpt, packed = res["checkpoint"], res["pack"]
-    assert sorted(ckpt["banks"]) == ["w13", "w13_scale", "w2", "w2_scale"], sorted(ckpt["banks"])
-    for name in ckpt["banks"]:
-        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
-        assert ckpt["banks"][name].any(), name
-    assert ckpt["params"].keys() == packed["params"].keys()
-    for n, p in ckpt["params"].items():
-        assert torch.equal(p, packed["params"][n]), n
+    _assert_pack_load_matches_checkpoint(res, log, ["w13", "w13_scale", "w2", "w2_scale"])
 
 
 def test_gpt_oss_mxfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
@@ -398,16 +389,10 @@ def test_gpt_oss_mxfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_facto
     checkpoint's loaders) and every other parameter loaded from the pack are bit-identical to
     the checkpoint load: a pack is read without a second de-interleave."""
     res, log = _pools(tmp_path_factory, None, "--no-corrupt", arch="gpt_oss")
-    assert "loaded the host pool from the expert pack" in log
     _assert_fused_experts_skipped(res, log)
-    ckpt, packed = res["checkpoint"], res["pack"]
-    assert sorted(ckpt["banks"]) == ["w13", "w13_bias", "w13_scale", "w2", "w2_bias", "w2_scale"]
-    for name in ckpt["banks"]:
-        assert torch.equal(ckpt["banks"][name], packed["banks"][name]), name
-        assert ckpt["banks"][name].any(), name
-    assert ckpt["params"].keys() == packed["params"].keys()
-    for n, p in ckpt["params"].items():
-        assert torch.equal(p, packed["params"][n]), n
+    _assert_pack_load_matches_checkpoint(
+        res, log, ["w13", "w13_bias", "w13_scale", "w2", "w2_bias", "w2_scale"]
+    )
 
 
 def _assert_fused_experts_skipped(res, log):

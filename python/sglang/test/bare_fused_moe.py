@@ -114,7 +114,10 @@ def align_by_sort(
         num_tokens_post_pad: int32 [>= 1]; all written in place.
 
     Torch ops only, none with a host sync (no ``.item()``, no ``bincount``), so it can be
-    captured in a CUDA graph. Cost: a sort of the T * K entries.
+    captured in a CUDA graph. Cost: a sort of the T * K entries. Upstream's LoRA path has the
+    same idea (``kernels/ops/lora/moe/virtual_experts._align_block_size_torch``), but it
+    allocates its outputs and files invalid ids in a last sentinel bucket, where this contract
+    writes into the caller's buffers and files -1 in bucket 0 as expert -1.
     """
     dev = topk_ids.device
     bucket = topk_ids.reshape(-1).to(torch.int64) + 1
