@@ -144,7 +144,7 @@ if [ ${#problems[@]} -gt 0 ]; then
   for p in "${problems[@]}"; do say "  - $p"; done
   exit 2
 fi
-say "machine: $(val gpu_name) (sm $(val capability)), python $pyver, torch $(val torch), triton $(val triton), $("$NVCC" --version | tail -2 | head -1), $(nproc) cores"
+say "machine: $(val gpu_name) (sm $(val capability)), python $pyver, torch $(val torch), triton $(val triton), $("$NVCC" --version | tail -2 | head -1), $(nproc) cores, load average $(cut -d" " -f1-3 /proc/loadavg 2>/dev/null)"
 if [ $DRY = 1 ]; then
   say "dry run: every piece is here; the steps would be: $STEPS (budget ${BUDGET}s)"
   exit 0
