@@ -1,5 +1,5 @@
 """CLI: ``python -m sglang.test.tiny_models --arch qwen3_next --out DIR [--seed N] [--force]
-[--quant fp8|nvfp4|ct-fp8|ct-fp8-block]``; ``--shape qwen3-30b-a3b`` builds a released model's layer sizes (its arch)."""
+[--quant fp8|nvfp4|ct-fp8|ct-fp8-block|ct-fp8-tensor]``; ``--shape qwen3-30b-a3b`` builds a released model's layer sizes (its arch)."""
 
 import argparse
 import sys
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         "ModelOpt NVFP4 as NVIDIA's -FP4 releases; for --arch qwen3_5_moe ModelOpt "
         "MIXED_PRECISION as nvidia/Qwen3.6-35B-A3B-NVFP4; ct-fp8 / ct-fp8-block: "
         "compressed-tensors FP8 as llm-compressor's FP8-Dynamic / FP8_BLOCK releases, for "
-        "qwen3_moe and glm4_moe)",
+        "qwen3_moe and glm4_moe; ct-fp8-tensor: its static per-tensor FP8, for qwen3_moe)",
     )
     parser.add_argument(
         "--no-tokenizer-cache",

@@ -43,20 +43,23 @@ written by :mod:`.quantize_modelopt_mixed`.
 
 ``ct-fp8`` / ``ct-fp8-block``: compressed-tensors FP8 as llm-compressor writes it (the
 "FP8-Dynamic" releases: RedHatAI/Qwen3-30B-A3B-FP8-dynamic, GLM-4.5/4.6 FP8-Dynamic), per-channel
-``weight_scale`` [N, 1] or 128 x 128 blocks, written by :mod:`.quantize_ct_fp8`.
+``weight_scale`` [N, 1] or 128 x 128 blocks, written by :mod:`.quantize_ct_fp8`; ``ct-fp8-tensor``
+its static per-tensor "FP8" scheme (``weight_scale`` and ``input_scale`` [1]: RedHatAI's
+Mixtral-8x7B-Instruct-v0.1-FP8).
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-QUANTS = ("fp8", "nvfp4", "ct-fp8", "ct-fp8-block")
+QUANTS = ("fp8", "nvfp4", "ct-fp8", "ct-fp8-block", "ct-fp8-tensor")
 # The architectures each quantization is written for (the releases it reproduces).
 QUANT_ARCHS = {
     "fp8": ("qwen3_moe", "deepseek_v3"),
     "nvfp4": ("qwen3_moe", "qwen3_5_moe"),
     "ct-fp8": ("qwen3_moe", "glm4_moe"),
     "ct-fp8-block": ("qwen3_moe", "glm4_moe"),
+    "ct-fp8-tensor": ("qwen3_moe",),
 }
 FP8_BLOCK = (128, 128)
 FP8_E4M3_MAX = 448.0

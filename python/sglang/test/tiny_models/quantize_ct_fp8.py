@@ -30,6 +30,15 @@ GLM-5.1 FP8-Dynamic releases):
 name is ``weight_scale``, not block FP8's ``weight_scale_inv``; the value multiplies the FP8
 weight in both).
 
+``ct-fp8-tensor`` is llm-compressor's ``FP8`` scheme (static per-tensor: the "-FP8" releases
+that are not "-FP8-dynamic", e.g. RedHatAI's Mixtral-8x7B-Instruct-v0.1-FP8): weights
+``"strategy": "tensor"``, ``P.weight_scale`` float32 ``[1]`` = ``amax(|w|) / 448`` of the
+whole tensor, and static activations (``"strategy": "tensor", "dynamic": false,
+"observer": "minmax"``) with ``P.input_scale`` float32 ``[1]`` beside every FP8 weight.
+llm-compressor calibrates the input scale on data; the tiny model has none, so it is
+:data:`TENSOR_INPUT_SCALE` (FP8 activations up to ``448 * 0.05 = 22.4``; the CPU paths never
+read it, upstream's CUDA kernels would).
+
 What was confirmed (search of public sources, no downloads): the config keys and values of
 the FP8-Dynamic groups (converters and tests that write them; TensorRT-LLM PR 17433:
 "compressed-tensors stores weight_scale shaped [out, 1]"); the ignore patterns llm-compressor's
@@ -48,8 +57,10 @@ from typing import Dict, Tuple
 
 from .quantize import FP8_BLOCK, FP8_E4M3_MAX, block_dequantize_fp8, block_quantize_fp8
 
-CT_QUANTS = ("ct-fp8", "ct-fp8-block")
+CT_QUANTS = ("ct-fp8", "ct-fp8-block", "ct-fp8-tensor")
 SCALE_SUFFIX = "_scale"  # P.weight -> P.weight_scale
+INPUT_SCALE = ".input_scale"  # P.weight -> P.input_scale (ct-fp8-tensor)
+TENSOR_INPUT_SCALE = 0.05  # ct-fp8-tensor's static input scale (module docstring)
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
 
 
@@ -72,10 +83,29 @@ def channel_quantize_fp8(w):
     return q.contiguous(), scale.contiguous()
 
 
+def tensor_quantize_fp8(w):
+    """Quantize one weight to FP8 with one scale for the whole tensor.
+
+    Args:
+        w: [N, K] float tensor (bf16 or fp32).
+
+    Returns:
+        ``(q, scale)``: q [N, K] ``float8_e4m3fn``; scale [1] float32 = ``amax(|w|) / 448``
+        (1 for an all-zero tensor), ``w ~= q * scale``.
+    """
+    import torch
+
+    wf = w.float()
+    amax = wf.abs().amax().reshape(1)
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (wf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
 def ct_dequantize_fp8(q, scale, dtype=None):
-    """The weight a compressed-tensors FP8 tensor encodes: ``q * scale`` per row (scale
-    [N, 1]) or per 128 x 128 block (scale [ceil(N/128), ceil(K/128)]), in ``dtype`` (default
-    float64, the reference).
+    """The weight a compressed-tensors FP8 tensor encodes: ``q * scale`` per tensor (scale [1]
+    or a scalar), per row (scale [N, 1]) or per 128 x 128 block (scale [ceil(N/128),
+    ceil(K/128)]), in ``dtype`` (default float64, the reference).
 
     Raises:
         ValueError: a scale of neither shape (names both shapes).
@@ -84,20 +114,23 @@ def ct_dequantize_fp8(q, scale, dtype=None):
 
     dtype = dtype or torch.float64
     n, k = q.shape
+    if scale.numel() == 1 and scale.dim() <= 1:
+        return q.to(dtype) * scale.to(dtype).reshape(())
     if tuple(scale.shape) == (n, 1):
         return q.to(dtype) * scale.to(dtype)
     want = (-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
     if tuple(scale.shape) != want:
         raise ValueError(
             f"weight_scale of shape {tuple(scale.shape)} for an FP8 weight {(n, k)}: neither "
-            f"per channel ({n}, 1) nor per 128 x 128 block {want}"
+            f"per tensor (1,), per channel ({n}, 1) nor per 128 x 128 block {want}"
         )
     return block_dequantize_fp8(q, scale, FP8_BLOCK, dtype)
 
 
-def quantization_config(block: bool) -> dict:
-    """The ``quantization_config`` llm-compressor writes for FP8_DYNAMIC (``block=False``) or
-    FP8_BLOCK (``block=True``), every key it writes, sorted."""
+def quantization_config(quant: str) -> dict:
+    """The ``quantization_config`` llm-compressor writes for FP8_DYNAMIC (``ct-fp8``),
+    FP8_BLOCK (``ct-fp8-block``) or FP8 (``ct-fp8-tensor``), every key it writes, sorted."""
+    block, tensor = quant == "ct-fp8-block", quant == "ct-fp8-tensor"
     weights = {
         "actorder": None,
         "block_structure": list(FP8_BLOCK) if block else None,
@@ -106,19 +139,19 @@ def quantization_config(block: bool) -> dict:
         "num_bits": 8,
         "observer": "minmax",
         "observer_kwargs": {},
-        "strategy": "block" if block else "channel",
+        "strategy": "block" if block else "tensor" if tensor else "channel",
         "symmetric": True,
         "type": "float",
     }
     acts = {
         "actorder": None,
         "block_structure": None,
-        "dynamic": True,
+        "dynamic": not tensor,
         "group_size": FP8_BLOCK[1] if block else None,
         "num_bits": 8,
-        "observer": None,
+        "observer": "minmax" if tensor else None,
         "observer_kwargs": {},
-        "strategy": "group" if block else "token",
+        "strategy": "group" if block else "tensor" if tensor else "token",
         "symmetric": True,
         "type": "float",
     }
@@ -143,8 +176,8 @@ def quantization_config(block: bool) -> dict:
 def quantize_state_ct_fp8(
     state: Dict[str, object], cfg: dict, quant: str
 ) -> Tuple[Dict[str, object], dict]:
-    """``(state, config)`` of the ``ct-fp8`` / ``ct-fp8-block`` checkpoint of a bf16 tiny
-    model (module docstring).
+    """``(state, config)`` of the ``ct-fp8`` / ``ct-fp8-block`` / ``ct-fp8-tensor`` checkpoint
+    of a bf16 tiny model (module docstring).
 
     Raises:
         ValueError: ``quant`` not one of :data:`CT_QUANTS`.
@@ -155,26 +188,30 @@ def quantize_state_ct_fp8(
         raise ValueError(
             f"unknown compressed-tensors quantization {quant!r}; choose from {CT_QUANTS}"
         )
-    block = quant == "ct-fp8-block"
+    import torch
+
     out = dict(state)
     for name in fp8_quantized_names(state):
-        if block:
-            import torch
-
+        if quant == "ct-fp8-block":
             q, s = block_quantize_fp8(state[name], scale_dtype=torch.float32)
+        elif quant == "ct-fp8-tensor":
+            q, s = tensor_quantize_fp8(state[name])
+            out[name.removesuffix(".weight") + INPUT_SCALE] = torch.tensor(
+                [TENSOR_INPUT_SCALE], dtype=torch.float32
+            )
         else:
             q, s = channel_quantize_fp8(state[name])
         out[name] = q
         out[name + SCALE_SUFFIX] = s
     cfg = dict(cfg)
-    cfg["quantization_config"] = quantization_config(block)
+    cfg["quantization_config"] = quantization_config(quant)
     return dict(sorted(out.items())), dict(sorted(cfg.items()))
 
 
 def dequantize_ct_fp8_checkpoint(src, dst, dtype=None):
     """Write the compressed-tensors FP8 checkpoint ``src`` dequantized into ``dst``: every FP8
     weight replaced by :func:`ct_dequantize_fp8` in ``dtype`` (default float32), its
-    ``weight_scale`` dropped, every other tensor as stored, ``config.json`` without
+    ``weight_scale`` (and ``input_scale``) dropped, every other tensor as stored, ``config.json`` without
     ``quantization_config``; the other files copied (the transformers oracle's checkpoint).
 
     Returns:
@@ -199,7 +236,7 @@ def dequantize_ct_fp8_checkpoint(src, dst, dtype=None):
     state = load_file(str(src / "model.safetensors"))
     out = {}
     for name, t in state.items():
-        if name.endswith(".weight" + SCALE_SUFFIX):
+        if name.endswith((".weight" + SCALE_SUFFIX, INPUT_SCALE)):
             continue
         if t.dtype == torch.float8_e4m3fn:
             s = state.get(name + SCALE_SUFFIX)
