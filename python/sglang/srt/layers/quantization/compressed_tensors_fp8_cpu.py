@@ -2,7 +2,9 @@
 
 The "FP8-Dynamic" releases of llm-compressor (RedHatAI/Qwen3-30B-A3B-FP8-dynamic, GLM-4.5/4.6
 FP8-Dynamic; ``quant_method: compressed-tensors``, ``format: float-quantized``, weights
-``strategy: channel`` or ``block`` with dynamic per-token activations) load through upstream
+``strategy: channel`` or ``block`` with dynamic per-token activations) and its static
+per-tensor "FP8" releases (weights and activations ``strategy: tensor``, a calibrated
+``input_scale`` beside each weight: RedHatAI/Mixtral-8x7B-Instruct-v0.1-FP8) load through upstream
 0.5.23's ``CompressedTensorsW8A8Fp8`` (linears) and ``CompressedTensorsW8A8Fp8MoE`` (experts),
 whose kernels are CUDA / ROCm only (``apply_fp8_linear``, the Triton fused MoE): on the CPU
 upstream does not even pick the scheme (its compute-capability check calls
@@ -17,10 +19,19 @@ CPU (with or without AMX: upstream has no AMX path for this format either):
   ``w2_weight_scale`` ``[E, H, 1]`` (per output channel) or ``[E, ceil(2I/128),
   ceil(H/128)]`` / ``[E, ceil(H/128), ceil(I/128)]`` (128 x 128 blocks), exactly as loaded;
   the CPU executor runs them with in-kernel dequantization (:func:`moe_forward`), weight-only
-  (the activations stay bf16; upstream would quantize them per token to FP8).
+  (the activations stay bf16; upstream would quantize them per token to FP8). Per-tensor
+  scales (``[E, 2]``: gate, up; ``[E]``: down) are written out per output channel at load
+  (:func:`per_tensor_to_channel`: the same value on each row of its projection, 4 bytes a
+  row), which the executor's fp8 format reads; upstream instead requantizes each expert's
+  gate and up to their larger scale (a second rounding this path does not make).
+* **static input scales** (per-tensor scheme) are loaded and not applied: the activations
+  stay bf16, so the CPU computes ``x @ w`` where upstream's kernels compute
+  ``fp8(x / input_scale) * input_scale @ w``. Logged once.
 
-Dequantization: ``w[n, k] = fp8[n, k] * weight_scale[n, 0]`` (channel) or
-``* weight_scale[n // 128, k // 128]`` (block), in float32, rounded once to the model dtype.
+Dequantization: ``w[n, k] = fp8[n, k] * weight_scale[n, 0]`` (channel),
+``* weight_scale[n // 128, k // 128]`` (block) or ``* weight_scale[shard(n)]`` (tensor: one
+scale per fused shard, e.g. q, k, v of ``qkv_proj``), in float32, rounded once to the model
+dtype.
 """
 
 from __future__ import annotations
@@ -32,6 +43,50 @@ import torch
 logger = logging.getLogger(__name__)
 
 _logged = False
+_logged_static = False
+
+
+def _log_static_input_scales() -> None:
+    global _logged_static
+    if not _logged_static:
+        _logged_static = True
+        logger.info(
+            "compressed-tensors FP8 on the CPU: the checkpoint's static input scales are "
+            "loaded and not applied (the activations stay bf16; the weights are FP8 x scale)"
+        )
+
+
+def per_tensor_to_channel(scale: torch.Tensor, widths, name: str) -> torch.Tensor:
+    """One scale per output channel from per-tensor scales, one per fused shard.
+
+    Args:
+        scale: ``[..., S]`` float32, a per-tensor scale for each of S shards (a linear's
+            ``weight_scale`` [S]; a MoE layer's ``w13_weight_scale`` [E, 2]; ``[E, 1]`` for
+            ``w2``). ``float32`` min or NaN marks a scale the checkpoint did not have.
+        widths: the S shards' output rows (``logical_widths``; ``(I, I)`` for w13).
+        name: the checkpoint name of the tensor, for errors.
+
+    Returns:
+        ``[..., sum(widths), 1]`` float32: row n of shard s holds ``scale[..., s]``.
+
+    Raises:
+        ValueError: S differs from ``len(widths)``, or a scale is missing (names the shard).
+    """
+    widths = [int(w) for w in widths]
+    if scale.shape[-1] != len(widths):
+        raise ValueError(
+            f"{name}.weight_scale: {scale.shape[-1]} per-tensor scales for {len(widths)} "
+            f"fused shards {widths}"
+        )
+    unset = torch.isnan(scale) | (scale == torch.finfo(torch.float32).min)
+    if unset.any():
+        shards = sorted(set(torch.nonzero(unset)[:, -1].tolist()))
+        raise ValueError(
+            f"{name}.weight_scale was not in the checkpoint (shards {shards} of {widths} "
+            "have no scale): every FP8 weight needs its weight_scale"
+        )
+    rows = torch.repeat_interleave(scale.float(), torch.tensor(widths, device=scale.device), dim=-1)
+    return rows.unsqueeze(-1).contiguous()
 
 
 def dequantize_weight(w: torch.Tensor, s: torch.Tensor, name: str, block=None) -> torch.Tensor:
@@ -80,11 +135,13 @@ def dequantize_linear(layer: torch.nn.Module, scheme) -> None:
         layer: a ``LinearBase`` after loading: ``weight`` [N, K] float8_e4m3fn,
             ``weight_scale`` (per channel [N, 1] or per block), ``orig_dtype`` the model dtype;
             ``prefix`` its checkpoint name (when upstream recorded it).
-        scheme: the layer's ``CompressedTensorsW8A8Fp8`` (``strategy``, ``weight_block_size``).
+        scheme: the layer's ``CompressedTensorsW8A8Fp8`` (``strategy``, ``weight_block_size``);
+            a per-tensor one has ``weight_scale`` [S], one per fused shard of
+            ``logical_widths``, and its static ``input_scale`` is dropped unapplied (logged).
 
     Raises:
-        ValueError: a per-tensor scheme (not built), or a scale :func:`dequantize_weight`
-            rejects.
+        ValueError: a strategy other than tensor, channel or block, or a scale
+            :func:`dequantize_weight` / :func:`per_tensor_to_channel` rejects.
     """
     global _logged
     from compressed_tensors.quantization import QuantizationStrategy
@@ -92,16 +149,22 @@ def dequantize_linear(layer: torch.nn.Module, scheme) -> None:
     from sglang.srt.layers.quantization.nvfp4_cpu import _as_unquantized
 
     name = getattr(layer, "prefix", "") or "a compressed-tensors FP8 linear layer"
-    if scheme.strategy not in (QuantizationStrategy.CHANNEL, QuantizationStrategy.BLOCK):
+    strategies = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL)
+    if scheme.strategy not in (*strategies, QuantizationStrategy.BLOCK):
         raise ValueError(
             f"{name}: compressed-tensors FP8 with strategy {scheme.strategy} on the CPU is not "
-            "supported (channel and block are)"
+            "supported (tensor, channel and block are)"
         )
     block = None
     if scheme.strategy == QuantizationStrategy.BLOCK:
         block = tuple(scheme.weight_block_size)
+    scale = layer.weight_scale.data
+    if scheme.strategy == QuantizationStrategy.TENSOR:
+        scale = per_tensor_to_channel(scale, layer.logical_widths, name)
+    if getattr(layer, "input_scale", None) is not None:
+        _log_static_input_scales()
     dtype = getattr(layer, "orig_dtype", torch.bfloat16)
-    deq = dequantize_weight(layer.weight.data, layer.weight_scale.data, name, block)
+    deq = dequantize_weight(layer.weight.data, scale, name, block)
     _as_unquantized(layer, deq.to(dtype), ("weight_scale", "input_scale"))
     if not _logged:
         _logged = True
@@ -115,13 +178,16 @@ def dequantize_linear(layer: torch.nn.Module, scheme) -> None:
 def check_moe_layer(layer: torch.nn.Module) -> None:
     """At load (patch 0083, ``CompressedTensorsW8A8Fp8MoE.process_weights_after_loading`` on
     the CPU): raise unless :func:`moe_forward` can run this layer with every scale loaded
-    (the patch makes ``create_weights`` start the scales as NaN instead of 1).
+    (the patch makes ``create_weights`` start the scales as NaN instead of 1). Per-tensor
+    scales (``w13_weight_scale`` [E, 2], ``w2_weight_scale`` [E]) are then replaced by the
+    same values per output channel ([E, 2I, 1] / [E, H, 1], :func:`per_tensor_to_channel`),
+    the layout the executor reads; static input scales are kept, unused (logged).
 
     Raises:
         ValueError: scales the checkpoint did not have, by checkpoint name
             (``model.layers.{L}.mlp.experts.{e}.gate_proj.weight_scale``).
-        RuntimeError: a layer feature the executor lacks (activation, biases, ...), static
-            input scales; the message says what to do.
+        RuntimeError: a layer feature the executor lacks (activation, biases, ...); the
+            message says what to do.
     """
     from sglang.srt.layers.moe.cpu_executor import _config_reason
     from sglang.srt.layers.moe.expert_cache.banks import BankSpec
@@ -139,13 +205,23 @@ def check_moe_layer(layer: torch.nn.Module) -> None:
             "FP8 expert weight needs its weight_scale (re-export the checkpoint)"
         )
     reason = _config_reason(layer, layer.moe_runner_config)
-    if reason is None and getattr(layer, "w13_input_scale", None) is not None:
-        reason = "static input scales"
     if reason is not None:
         raise RuntimeError(
             "compressed-tensors FP8 MoE on the CPU runs on the CPU executor, which cannot run "
             f"this layer ({reason}); serve the bf16 checkpoint"
         )
+    if layer.w2_weight_scale.dim() == 1:  # per tensor: [E, 2] / [E]
+        i = layer.w2_weight.shape[2]
+        h = layer.w2_weight.shape[1]
+        name = f"model.layers.{layer.layer_id}.mlp.experts"
+        for param, scale, widths in (
+            ("w13_weight_scale", layer.w13_weight_scale.data, (i, i)),
+            ("w2_weight_scale", layer.w2_weight_scale.data[:, None], (h,)),
+        ):
+            rows = per_tensor_to_channel(scale, widths, name)
+            setattr(layer, param, torch.nn.Parameter(rows, requires_grad=False))
+    if getattr(layer, "w13_input_scale", None) is not None:
+        _log_static_input_scales()
 
 
 def moe_forward(layer: torch.nn.Module, x: torch.Tensor, topk_output, moe_runner_config):
