@@ -36,6 +36,7 @@ DEFAULT_MODELS = {
     "qwen3_moe_ct_fp8": "qwen3-moe-ct-fp8-tiny",
     "glm4_moe_ct_fp8": "glm4-moe-ct-fp8-tiny",
     "qwen3_moe_ct_fp8_block": "qwen3-moe-ct-fp8-block-tiny",
+    "qwen3_moe_ct_fp8_tensor": "qwen3-moe-ct-fp8-tensor-tiny",
     "gpt_oss": "gpt-oss-tiny",
     "gemma4": "gemma4-moe-tiny",
     "llama4": "llama4-moe-tiny",
@@ -49,6 +50,7 @@ QUANTIZED = {
     "qwen3_moe_ct_fp8": ("qwen3_moe", "ct-fp8"),
     "glm4_moe_ct_fp8": ("glm4_moe", "ct-fp8"),
     "qwen3_moe_ct_fp8_block": ("qwen3_moe", "ct-fp8-block"),
+    "qwen3_moe_ct_fp8_tensor": ("qwen3_moe", "ct-fp8-tensor"),
 }
 
 

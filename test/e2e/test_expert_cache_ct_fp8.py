@@ -1,5 +1,6 @@
 """The real server on the tiny compressed-tensors FP8 models (llm-compressor's "FP8-Dynamic"
-layout, ``tiny_models --quant ct-fp8``; ``ct-fp8-block`` for FP8_BLOCK), on this CPU:
+layout, ``tiny_models --quant ct-fp8``; ``ct-fp8-block`` for FP8_BLOCK, ``ct-fp8-tensor`` for
+its static per-tensor "FP8"), on this CPU:
 
 * ``qwen3_moe_ct_fp8``: RedHatAI/Qwen3-30B-A3B-FP8-dynamic's layout (every decoder Linear FP8
   with a float32 ``weight_scale`` [N, 1], router and ``lm_head`` ignored);
@@ -7,7 +8,10 @@ layout, ``tiny_models --quant ct-fp8``; ``ct-fp8-block`` for FP8_BLOCK), on this
   with q/k/v biases, its dense first layer and shared expert; sigmoid grouped routing with a
   correction bias, ``routed_scaling_factor`` 2.5);
 * ``qwen3_moe_ct_fp8_block``: llm-compressor's FP8_BLOCK (``weight_scale`` per 128 x 128
-  block).
+  block);
+* ``qwen3_moe_ct_fp8_tensor``: llm-compressor's "FP8" (RedHatAI/Mixtral-8x7B-Instruct-v0.1-FP8's
+  layout: ``weight_scale`` [1] and a calibrated static ``input_scale`` [1] per projection; the
+  fused qkv / gate-up shards keep their own scales).
 
 Two servers per model (each start costs ~45 s on a 2-core machine):
 
@@ -47,15 +51,18 @@ CONFIGS = {"stock": ((), None), "slots8": (CACHE_SLOTS8, None)}
 qwen3_moe_ct_fp8 = results_fixture("qwen3_moe_ct_fp8", CONFIGS, NEW_TOKENS)
 glm4_moe_ct_fp8 = results_fixture("glm4_moe_ct_fp8", CONFIGS, NEW_TOKENS)
 qwen3_moe_ct_fp8_block = results_fixture("qwen3_moe_ct_fp8_block", CONFIGS, NEW_TOKENS)
+qwen3_moe_ct_fp8_tensor = results_fixture("qwen3_moe_ct_fp8_tensor", CONFIGS, NEW_TOKENS)
 HF_CLASS = {
     "qwen3_moe_ct_fp8": "Qwen3MoeForCausalLM",
     "glm4_moe_ct_fp8": "Glm4MoeForCausalLM",
     "qwen3_moe_ct_fp8_block": "Qwen3MoeForCausalLM",
+    "qwen3_moe_ct_fp8_tensor": "Qwen3MoeForCausalLM",
 }
 LABEL = {
     "qwen3_moe_ct_fp8": "ct-fp8 (per channel)",
     "glm4_moe_ct_fp8": "ct-fp8 (per channel)",
     "qwen3_moe_ct_fp8_block": "ct-fp8 (block 128x128)",
+    "qwen3_moe_ct_fp8_tensor": "ct-fp8 (per tensor)",
 }
 
 
@@ -69,13 +76,15 @@ def results(arch, request):
     return request.getfixturevalue(arch)
 
 
-def test_ct_fp8_serves_without_the_cache(results):
+def test_ct_fp8_serves_without_the_cache(arch, results):
     outs = results("stock")
     assert [len(o["tokens"]) for o in outs] == [NEW_TOKENS] * len(outs)
     assert all(lp <= 0 for o in outs for lp in o["in_lp"] + o["out_lp"])
     log = results("stock_log")
     assert "compressed-tensors FP8 on the CPU: dense FP8 linears are dequantized" in log
     assert "Using CompressedTensorsW8A8Fp8MoE" in log
+    static = "static input scales are loaded and not applied" in log
+    assert static == arch.endswith("_tensor")
 
 
 def test_eight_slots_equal_all_resident(arch, results):
@@ -122,17 +131,19 @@ def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, re
     assert ours.max() <= 2 * theirs.max(), figures
 
 
+@pytest.mark.parametrize("model", ["qwen3_moe_ct_fp8", "qwen3_moe_ct_fp8_tensor"])
 @pytest.mark.parametrize("extra", [(), ("--enable-expert-cache",)], ids=["stock", "cache"])
-def test_missing_expert_scale_fails_at_load_by_name(extra, tmp_path):
+def test_missing_expert_scale_fails_at_load_by_name(extra, model, tmp_path):
     """A checkpoint without one expert's ``weight_scale`` refuses to start, naming it (stock:
     the scheme's scales start as NaN with patch 0083, upstream's were 1.0, which would have
-    served wrong weights; cache: the host pool's scale rows start as NaN)."""
+    served wrong weights; cache: the host pool's scale rows start as NaN; per tensor: the
+    up projection's one scale, whose rows the gate's scale must not hide)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
     from server import start_server
 
-    src = model_path("qwen3_moe_ct_fp8")
+    src = model_path(model)
     dst = tmp_path / "broken"
     shutil.copytree(src, dst)
     name = "model.layers.1.mlp.experts.5.up_proj.weight_scale"

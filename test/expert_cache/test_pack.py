@@ -266,6 +266,8 @@ def test_routed_expert_names():
     assert not is_routed_expert("model.layers.3.mlp.shared_expert.gate_proj.weight", {3})
     assert not is_routed_expert("model.layers.3.mlp.shared_experts.up_proj.weight", {3})
     assert not is_routed_expert("model.layers.3.mlp.gate.weight", {3})
+    # a static input scale loads into a layer parameter, not a bank: streamed
+    assert not is_routed_expert("model.layers.3.mlp.experts.4.up_proj.input_scale", {3})
     # all of a layer's experts in one tensor (gpt-oss, Gemma 4, Llama 4 as released)
     assert is_routed_expert("model.layers.3.mlp.experts.gate_up_proj_blocks", {3})
     assert is_routed_expert("model.layers.3.mlp.experts.down_proj_bias", {3})
@@ -373,12 +375,13 @@ def test_nvfp4_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory):
     _assert_pack_load_matches_checkpoint(res, log, res["checkpoint"]["banks"])
 
 
-@pytest.mark.parametrize("quant", ["ct-fp8", "ct-fp8-block"])
+@pytest.mark.parametrize("quant", ["ct-fp8", "ct-fp8-block", "ct-fp8-tensor"])
 def test_compressed_tensors_fp8_pool_from_pack_bit_identical_to_checkpoint(tmp_path_factory, quant):
-    """The compressed-tensors FP8 tiny models (``tiny_models --quant ct-fp8|ct-fp8-block``, the
-    FP8-Dynamic layouts: per-channel ``[2I, 1]`` / ``[H, 1]`` or 128 x 128 block
-    ``weight_scale`` banks): the pool and every other parameter loaded from the pack are
-    bit-identical to the checkpoint load."""
+    """The compressed-tensors FP8 tiny models (``tiny_models --quant ct-fp8|ct-fp8-block|
+    ct-fp8-tensor``: per-channel ``[2I, 1]`` / ``[H, 1]``, 128 x 128 block, or per-tensor
+    scales held per row, ``weight_scale`` banks): the pool and every other parameter loaded
+    from the pack (the per-tensor scheme's static ``w13_input_scale`` / ``w2_input_scale``
+    included, streamed from the checkpoint) are bit-identical to the checkpoint load."""
     res, log = _pools(tmp_path_factory, quant, "--no-corrupt")
     _assert_pack_load_matches_checkpoint(res, log, ["w13", "w13_scale", "w2", "w2_scale"])
 

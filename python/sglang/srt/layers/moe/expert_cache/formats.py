@@ -11,8 +11,10 @@ format  upstream method               per-expert tensors (bank name: layer param
 fp8     ``Fp8MoEMethod`` (block       w13, w2: ``w*_weight`` float8_e4m3fn; w13_scale,  ~1
         128 x 128)                    w2_scale: ``w*_weight_scale_inv`` float32
         ``CompressedTensorsW8A8-      as fp8; scales ``w*_weight_scale``: per output   ~1
-        Fp8MoE`` (per channel or      channel [2I, 1] / [H, 1] (:data:`CT_FP8_CHANNEL`)
-        block 128 x 128)              or per 128 x 128 block (:data:`CT_FP8_BLOCK`)
+        Fp8MoE`` (per channel, per    channel [2I, 1] / [H, 1] (:data:`CT_FP8_CHANNEL`;
+        tensor or block 128 x 128)    per tensor: :data:`CT_FP8_TENSOR` writes each
+                                      projection's scale on its rows) or per 128 x 128
+                                      block (:data:`CT_FP8_BLOCK`)
 mxfp4   ``Mxfp4MoEMethod``            w13, w2: ``w*_weight`` uint8 (two e2m1 codes);   ~0.53
                                       w13_scale, w2_scale: ``w*_weight_scale`` e8m0
 nvfp4   ``ModelOptNvFp4FusedMoE``     as mxfp4, scales float8_e4m3fn per 16;           ~0.56
@@ -62,6 +64,13 @@ class QuantExpertFormat(ExpertFormat):
     # fp8 only: the layer parameter of the scales, ``w13_<scale_param>`` / ``w2_<scale_param>``
     # (Fp8MoEMethod: weight_scale_inv; compressed-tensors: weight_scale)
     scale_param: str = "weight_scale_inv"
+    # fp8 only: the method creates one scale per projection (``w13_<scale_param>`` [E, 2]: gate,
+    # up; ``w2_<scale_param>`` [E]); the banks hold it per output channel (``channel``), each
+    # row its projection's scale (written by ``loading.per_tensor_scale_loader``)
+    per_tensor: bool = False
+    # per-expert layer parameters that are not banks: kept on the layer, never read (the
+    # static ``w13_input_scale`` / ``w2_input_scale`` [E] of a per-tensor FP8 scheme)
+    unread: Tuple[str, ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -143,10 +152,21 @@ class QuantExpertFormat(ExpertFormat):
             out[s.name] = getattr(layer, s.layer_param).data
         return out
 
+    def layer_row_shape(self, spec: BankSpec) -> Tuple[int, ...]:
+        """The per-expert shape of ``spec``'s layer parameter as the quant method creates it:
+        the bank's row shape, except a per-tensor format's scales (``(2,)`` for w13: gate,
+        up; ``()`` for w2)."""
+        if self.per_tensor and spec.name == "w13_scale":
+            return (2,)
+        if self.per_tensor and spec.name == "w2_scale":
+            return ()
+        return spec.row_shape
+
     def check_layer(self, layer, num_experts: int, hidden_size: int, intermediate_size: int):
         """Raise unless the per-expert tensors a quant method's ``create_weights`` put on
         ``layer`` (shapes and dtypes read from the parameters, which may be on the meta device)
-        are exactly this format's banks.
+        are exactly this format's banks (shapes: :meth:`layer_row_shape`) and its ``unread``
+        parameters.
 
         Raises:
             ValueError: a tensor missing, extra, or of another shape or dtype; names them.
@@ -156,12 +176,15 @@ class QuantExpertFormat(ExpertFormat):
         specs = {s.layer_param: s for s in self.banks(hidden_size, intermediate_size)}
         names = expert_params(layer, num_experts)
         problems = [f"no {n}" for n in specs if n not in names]
-        problems += [f"unexpected per-expert {n}" for n in names if n not in specs]
+        problems += [
+            f"unexpected per-expert {n}" for n in names if n not in specs and n not in self.unread
+        ]
         for n in set(names) & set(specs):
             p, s = getattr(layer, n), specs[n]
-            if tuple(p.shape[1:]) != s.row_shape or p.dtype != s.dtype:
+            want = self.layer_row_shape(s)
+            if tuple(p.shape[1:]) != want or p.dtype != s.dtype:
                 problems.append(
-                    f"{n} is {p.dtype} {tuple(p.shape[1:])} per expert, not {s.dtype} {s.row_shape}"
+                    f"{n} is {p.dtype} {tuple(p.shape[1:])} per expert, not {s.dtype} {want}"
                 )
         if problems:
             raise ValueError(
@@ -299,6 +322,20 @@ CT_FP8_BLOCK = QuantExpertFormat(
     name="fp8",
     group=128,
     scale_param="weight_scale",
+)
+# llm-compressor's static per-tensor "FP8" scheme (RedHatAI/Mixtral-8x7B-Instruct-v0.1-FP8):
+# one scale per projection, held per output channel so the executor's fp8 format reads it as
+# CT_FP8_CHANNEL (4 bytes a row: 14 KB beside a 4.7 MB Qwen3-30B-A3B expert); the static input
+# scales stay on the layer, unread (the activations stay bf16).
+CT_FP8_TENSOR = QuantExpertFormat(
+    label="ct-fp8 (per tensor)",
+    dtype=torch.float8_e4m3fn,
+    name="fp8",
+    group=128,
+    channel=True,
+    scale_param="weight_scale",
+    per_tensor=True,
+    unread=("w13_input_scale", "w2_input_scale"),
 )
 # By key (tests, benchmarks); ``executor_format`` is the executor's format name.
 QUANT_FORMATS = {"fp8": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4, "fp8-channel": CT_FP8_CHANNEL}

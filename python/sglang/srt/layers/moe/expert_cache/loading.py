@@ -146,6 +146,36 @@ def checked_loader(loader: Callable, spec: BankSpec, layer_id: int, label: str) 
     return load
 
 
+def per_tensor_scale_loader(loader: Callable, spec: BankSpec, layer_id: int) -> Callable:
+    """``loader`` for a scale bank of a per-tensor format (``formats.CT_FP8_TENSOR``): the
+    checkpoint holds one scale per projection (``gate_proj.weight_scale`` [1]), the bank one
+    per output row; the scale is written on every row of its projection (gate: rows
+    ``[0, I)`` of ``w13_scale``, up: ``[I, 2I)``, down: all ``H`` rows of ``w2_scale``) by
+    calling ``loader`` (``FusedMoE.weight_loader``, through :func:`checked_loader`) with the
+    per-channel tensor ``[rows, 1]``; the bank's parameter is marked per channel so upstream
+    loads it as one.
+
+    Raises (from the returned loader):
+        ValueError: a checkpoint scale with more than one element (names it and its shape).
+    """
+
+    @functools.wraps(loader)
+    def load(param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):
+        if expert_id is not None and shard_id in _PROJ:
+            if loaded_weight.numel() != 1:
+                name = checkpoint_name(layer_id, int(expert_id), shard_id, spec.layer_param)
+                raise ValueError(
+                    f"{name}: shape {tuple(loaded_weight.shape)}, but this per-tensor FP8 MoE "
+                    "layer expects one scale per projection (shape [1]); the checkpoint's "
+                    "scales do not match its quantization config (strategy: tensor)"
+                )
+            rows = expected_shape(spec, shard_id)[0]
+            loaded_weight = loaded_weight.reshape(1, 1).float().expand(rows, 1)
+        return loader(param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+
+    return load
+
+
 def missing_scales(
     rows: torch.Tensor, spec: BankSpec, layer_id: int, fused: bool = False
 ) -> List[str]:

@@ -108,6 +108,7 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             checked_loader,
             deinterleaving_loader,
             fill_unloaded,
+            per_tensor_scale_loader,
         )
 
         global _CACHE
@@ -174,6 +175,14 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             if loader is not None:
                 if fmt.quantized:
                     loader = checked_loader(loader, spec, self.layer_id, fmt.label)
+                if getattr(fmt, "per_tensor", False) and spec.name.endswith("_scale"):
+                    from sglang.srt.layers.moe.fused_moe_triton import (
+                        FusedMoeWeightScaleSupported,
+                    )
+
+                    # one scale per projection, written on each of its rows
+                    param.quant_method = FusedMoeWeightScaleSupported.CHANNEL.value
+                    loader = per_tensor_scale_loader(loader, spec, self.layer_id)
                 if self.gate_up_interleaved:
                     loader = deinterleaving_loader(loader, spec, self.layer_id, num_experts)
                 param.weight_loader = loader
@@ -203,6 +212,7 @@ class ExpertCacheMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 "mxfp4": "e8m0 scales (gate_up_proj_scales, down_proj_scales)",
                 "ct-fp8-channel": "weight_scale (float32 [N, 1], one per output channel)",
                 "ct-fp8-block": "weight_scale (float32, one per 128 x 128 block)",
+                "ct-fp8-tensor": "weight_scale (float32 [1], one per projection)",
             }.get(self.label, "weight_scale_inv")
             raise ValueError(
                 f"{self.label} checkpoint without {', '.join(missing[:4])}{more}: every "
@@ -294,6 +304,9 @@ SUPPORTED_FORMATS = {
     # per-channel or block by the scheme's weight strategy (expert_format_of)
     "compressed-tensors FP8 (per-channel or block, dynamic activations)": "ct-fp8",
 }
+# ours beyond upstream's paged formats (which refuse per-tensor compressed-tensors FP8: its
+# scales are requantized after loading); found by expert_format_of
+EXTRA_FORMATS = ("ct-fp8-tensor",)
 
 
 def quant_format_of_label(label: str):
@@ -301,7 +314,8 @@ def quant_format_of_label(label: str):
     whose banks follow from H and I rather than from the layer's parameters: ``nvfp4``
     (``formats.NVFP4``), ``mxfp4`` (``formats.MXFP4_BIASED``: gpt-oss's experts with their
     biases), ``ct-fp8-channel`` / ``ct-fp8-block`` (``formats.CT_FP8_CHANNEL`` /
-    ``CT_FP8_BLOCK``: compressed-tensors FP8, scales ``w*_weight_scale``); None for the others
+    ``CT_FP8_BLOCK``, ``ct-fp8-tensor``: ``CT_FP8_TENSOR``: compressed-tensors FP8, scales
+    ``w*_weight_scale``); None for the others
     (bf16, fp8-block: :func:`banks.format_from_layer`)."""
     from sglang.srt.layers.moe.expert_cache import formats
 
@@ -310,6 +324,7 @@ def quant_format_of_label(label: str):
         "mxfp4": formats.MXFP4_BIASED,
         "ct-fp8-channel": formats.CT_FP8_CHANNEL,
         "ct-fp8-block": formats.CT_FP8_BLOCK,
+        "ct-fp8-tensor": formats.CT_FP8_TENSOR,
     }.get(label)
 
 
@@ -339,7 +354,9 @@ def expert_format_of(base_method, layer=None):
     ``("nvfp4", None)`` (ModelOpt NVFP4, groups of 16 along K) or ``("mxfp4", None)``
     (``Mxfp4MoEMethod``, e8m0 scales per 32 along K), ``("ct-fp8-channel", None)`` or
     ``("ct-fp8-block", (128, 128))`` (``CompressedTensorsW8A8Fp8MoE``, the scheme on
-    ``layer``, with dynamic activations: per output channel or per 128 x 128 block).
+    ``layer``, with dynamic activations: per output channel or per 128 x 128 block) or
+    ``("ct-fp8-tensor", None)`` (the scheme per tensor, static or dynamic activations:
+    llm-compressor's "FP8"; upstream's paged experts refuses it).
 
     Raises:
         ValueError: a format the host pool does not hold; names it and the supported list.
@@ -347,19 +364,37 @@ def expert_format_of(base_method, layer=None):
     from sglang.srt.layers.moe.paged_experts.formats import format_for
 
     fmt = format_for(layer, base_method)
+    if fmt is None and _ct_fp8_per_tensor(layer):
+        return "ct-fp8-tensor", None
     upstream = fmt.label if fmt is not None else "these"
     label = SUPPORTED_FORMATS.get(upstream)
     if label is None:
         raise ValueError(
             f"{upstream} ({type(base_method).__name__}) experts are not supported yet: serve "
             "the bf16 checkpoint or drop --enable-expert-cache (the host pool holds "
-            f"{' and '.join(SUPPORTED_FORMATS.values())} experts)"
+            f"{', '.join((*SUPPORTED_FORMATS.values(), *EXTRA_FORMATS))} experts)"
         )
     if label in ("bf16", "nvfp4", "mxfp4"):
         return label, None
     if label == "ct-fp8":
         return _ct_fp8_label(layer.scheme)
     return label, tuple(base_method.quant_config.weight_block_size)
+
+
+def _ct_fp8_per_tensor(layer) -> bool:
+    """``layer`` carries a per-tensor ``CompressedTensorsW8A8Fp8MoE`` (weights and activations
+    ``strategy: tensor``), which upstream's ``format_for`` does not describe."""
+    from compressed_tensors.quantization import QuantizationStrategy
+
+    from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8_moe import (
+        CompressedTensorsW8A8Fp8MoE,
+    )
+
+    scheme = getattr(layer, "scheme", None)
+    return (
+        type(scheme) is CompressedTensorsW8A8Fp8MoE
+        and scheme.weight_quant.strategy == QuantizationStrategy.TENSOR
+    )
 
 
 def _ct_fp8_label(scheme):
@@ -413,7 +448,7 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
     except (ValueError, RuntimeError) as e:
         problems.append(str(e))
         label = None
-    if label in ("nvfp4", "mxfp4", "ct-fp8-channel", "ct-fp8-block") and (
+    if label in ("nvfp4", "mxfp4", "ct-fp8-channel", "ct-fp8-block", "ct-fp8-tensor") and (
         get_device().device != "cpu"
     ):
         shown = label.upper() if label in ("nvfp4", "mxfp4") else label
@@ -423,7 +458,7 @@ def make_for_layer(layer, base_method) -> ExpertCacheMoEMethod:
             "--enable-expert-cache"
         )
     cfg = layer.moe_runner_config
-    quantized = ("fp8-block", "nvfp4", "mxfp4", "ct-fp8-channel", "ct-fp8-block")
+    quantized = ("fp8-block", "nvfp4", "mxfp4", "ct-fp8-channel", "ct-fp8-block", "ct-fp8-tensor")
     if label in quantized and cfg.params_dtype not in (None, torch.bfloat16):
         problems.append(
             f"{label} experts run on bf16 activations, but the model runs in "

@@ -98,7 +98,12 @@ def open_pack(path: Path, folder: Path, cache) -> dict:
 
 
 def is_routed_expert(name: str, layers) -> bool:
-    """Whether checkpoint tensor ``name`` is a routed expert of one of ``layers``."""
+    """Whether checkpoint tensor ``name`` is a routed expert of one of ``layers``, held by the
+    host pool. An expert's ``input_scale`` (static FP8 activations: compressed-tensors'
+    per-tensor scheme, ModelOpt) is not: it loads into a layer parameter beside the banks,
+    so it stays in the stream."""
+    if name.endswith(".input_scale"):
+        return False
     m = ROUTED_EXPERT.search(name)
     return m is not None and int(m.group(1)) in layers
 
