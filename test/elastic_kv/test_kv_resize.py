@@ -241,3 +241,67 @@ def test_failure_past_the_point_of_no_return_is_reported_not_raised(where, monke
     if where == "release":
         assert out["released_bytes"] == 0
     assert sim.accounting() == [] and sim.kv_problems() == []
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns ``t``'s allocation (upstream's fused K/V tensor of a layer)."""
+    return t._base if t._base is not None else t
+
+
+def test_first_reserve_moves_one_layer_at_a_time(monkeypatch):
+    """The move into reserved mappings frees each layer's old allocation before the next layer
+    is copied: when layer ``l``'s reservation is made, the old allocations of layers below
+    ``l`` are gone (the process never holds the pool twice). The KV reads the same after."""
+    import weakref
+
+    from sglang.srt.mem_cache.elastic_kv import backing as backing_mod
+
+    sim = _busy_sim(1, "rust", seed=3)
+    kv = sim.kv
+    owners = [weakref.ref(_owner(t)) for t in kv.k_buffer]
+    assert all(weakref.ref(_owner(v))() is o() for v, o in zip(kv.v_buffer, owners))
+    alive_at_reservation = []
+    real = backing_mod.ReservedBuffer
+
+    def recording(*args, **kwargs):
+        alive_at_reservation.append(sum(o() is not None for o in owners))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backing_mod, "ReservedBuffer", recording)
+    sim.elastic.reserve()
+    layers = len(owners)
+    # K and V of layer l are reserved while layers l.. are still held: layers - l of them.
+    assert alive_at_reservation == [layers - i // 2 for i in range(2 * layers)]
+    assert all(o() is None for o in owners)
+    assert sim.kv_problems() == []
+
+
+def test_reserve_failure_leaves_the_pool_readable(monkeypatch):
+    """A reservation refused halfway (the second layer's): the first layer has moved, the
+    pool's pointers follow it, every request and prefix reads its own KV, and the next
+    resize moves every layer and succeeds."""
+    from sglang.srt.mem_cache.elastic_kv import backing as backing_mod
+
+    sim = _busy_sim(1, "rust", seed=4)
+    el, kv = sim.elastic, sim.kv
+    real, calls = backing_mod.ReservedBuffer, []
+
+    def refusing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(12, "injected: cannot reserve")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backing_mod, "ReservedBuffer", refusing)
+    before = kv.k_buffer[0].data_ptr()
+    with pytest.raises(KVResizeFailed, match="injected: cannot reserve"):
+        el.resize(el.floor())
+    assert el.backing is None and el.size == 96
+    # layer 0 moved; the pool's pointer table follows it (the attention reads through it)
+    assert kv.k_buffer[0].data_ptr() != before
+    assert int(kv.k_data_ptrs[0]) == kv.k_buffer[0].data_ptr()
+    assert sim.kv_problems() == []
+    monkeypatch.setattr(backing_mod, "ReservedBuffer", real)
+    out = el.resize(el.floor())
+    assert el.size == out["kv_tokens"] and el.backing is not None
+    assert sim.kv_problems() == [] and sim.accounting() == []

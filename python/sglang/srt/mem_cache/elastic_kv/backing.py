@@ -117,29 +117,47 @@ class ReservedBuffer:
 class HostKVBacking:
     """The reserved buffers of one MHA KV pool (K then V per layer, in the pool's order).
 
+    The pool's buffers are moved in, one layer at a time: layer ``l``'s K and V rows are copied
+    into their reservations and the entries ``l`` of ``k_buffers`` / ``v_buffers`` (the pool's
+    own lists, updated in place) are replaced by views of them, so the old allocation of that
+    layer is freed before the next layer is copied (upstream allocates a layer's K and V as the
+    two halves of one tensor, ``MHATokenToKVPool._create_buffers_normal``). The move holds the
+    pool plus one layer at its peak, not the pool twice. The caller refreshes whatever caches
+    the buffers' pointers afterwards, also when this raises (some layers may have moved).
+
     Args:
-        k_buffers, v_buffers: the pool's current tensors, ``(rows, head_num, head_dim)`` each
-            (contiguous); their first ``rows`` rows are copied in.
+        k_buffers, v_buffers: the pool's lists of tensors, ``(rows, head_num, head_dim)`` each
+            (contiguous), one per layer; their entries are replaced as described.
         max_rows: rows to reserve per buffer (pool size in tokens + one page of padding, for
             the largest pool a grow may reach).
 
     Raises:
-        ValueError: a buffer that is not contiguous or has more rows than ``max_rows``.
+        ValueError: a buffer that is not contiguous, has more rows than ``max_rows``, or lists
+            of different lengths; checked for every buffer before anything moves.
+        OSError: a reservation (``mmap``) refused; the layers before it have moved.
     """
 
     def __init__(self, k_buffers: List[torch.Tensor], v_buffers: List[torch.Tensor], max_rows):
-        self.k: List[ReservedBuffer] = []
-        self.v: List[ReservedBuffer] = []
-        for src, out in [(b, self.k) for b in k_buffers] + [(b, self.v) for b in v_buffers]:
+        if len(k_buffers) != len(v_buffers):
+            raise ValueError(f"{len(k_buffers)} K buffers but {len(v_buffers)} V buffers")
+        for src in list(k_buffers) + list(v_buffers):
             if not src.is_contiguous() or src.shape[0] > max_rows:
                 raise ValueError(
                     f"KV buffer of shape {tuple(src.shape)} (contiguous={src.is_contiguous()}) "
                     f"cannot move into a reservation of {max_rows} rows"
                 )
-            buf = ReservedBuffer(max_rows, src.shape[1:], src.dtype)
-            buf.rows(src.shape[0]).copy_(src)
-            out.append(buf)
+        self.k: List[ReservedBuffer] = []
+        self.v: List[ReservedBuffer] = []
         self.rows = int(k_buffers[0].shape[0]) if k_buffers else 0
+        for layer in range(len(k_buffers)):
+            for bufs, out in ((k_buffers, self.k), (v_buffers, self.v)):
+                src = bufs[layer]
+                buf = ReservedBuffer(max_rows, src.shape[1:], src.dtype)
+                view = buf.rows(src.shape[0])
+                view.copy_(src)
+                out.append(buf)
+                bufs[layer] = view
+                del src  # the last reference to the old tensor may be the list's, now gone
 
     @property
     def buffers(self) -> List[ReservedBuffer]:

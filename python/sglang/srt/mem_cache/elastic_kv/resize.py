@@ -240,12 +240,24 @@ class ElasticKV:
 
     def reserve(self) -> None:
         """Move the pool's buffers into mappings reserved for :attr:`max_tokens` (once; the
-        first resize does it if nobody did: that call then also copies the whole pool)."""
+        first resize does it if nobody did: that call then also copies the pool, one layer at
+        a time, so the process holds the pool plus one layer at the peak).
+
+        Raises:
+            OSError: a reservation was refused; the layers moved so far stay moved (the pool
+                reads the same KV through its refreshed pointers) and the next call moves
+                every layer again.
+        """
         if self.backing is not None:
             return
         kv = self.kvcache
         rows = self.size + self.page_size
-        self.backing = HostKVBacking(kv.k_buffer, kv.v_buffer, self.max_tokens + self.page_size)
+        try:
+            backing = HostKVBacking(kv.k_buffer, kv.v_buffer, self.max_tokens + self.page_size)
+        finally:  # layers that moved have new pointers, also when a later one failed
+            kv._kv_buffer_descs = kv._build_kv_buffer_descs()
+            kv._init_data_ptrs_and_strides()
+        self.backing = backing
         self._install_views(rows)
 
     def _install_views(self, rows: int) -> None:
