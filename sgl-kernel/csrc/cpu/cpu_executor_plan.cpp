@@ -39,8 +39,11 @@ struct MoePlan {
   double alpha = 1.702, limit = 7.0;
 };
 
-std::mutex g_plans_mu;
-std::vector<std::unique_ptr<MoePlan>> g_plans;
+// Leaked on purpose, like ExpertPool::get(): a plan holds tensors (pinned staging, banks)
+// whose deleters need the CUDA runtime and the interpreter, both gone when static
+// destructors run at exit.
+std::mutex& g_plans_mu = *new std::mutex;
+std::vector<std::unique_ptr<MoePlan>>& g_plans = *new std::vector<std::unique_ptr<MoePlan>>;
 
 MoePlan& plan_at(int64_t plan) {
   std::lock_guard<std::mutex> lock(g_plans_mu);

@@ -42,8 +42,10 @@ struct HostCall {
   int64_t tokens;
 };
 
-std::mutex g_calls_mu;
-std::map<std::pair<int64_t, int64_t>, std::unique_ptr<HostCall>> g_calls;
+// Leaked on purpose (never destroyed at exit), like the plans they name: a graph replay may
+// still read a record while static destructors run.
+std::mutex& g_calls_mu = *new std::mutex;
+auto& g_calls = *new std::map<std::pair<int64_t, int64_t>, std::unique_ptr<HostCall>>;
 
 const HostCall* host_call(int64_t plan, int64_t tokens) {
   std::lock_guard<std::mutex> lock(g_calls_mu);
