@@ -153,6 +153,25 @@ def test_past_the_slot_floor_kv_pages_go_in_whole_pages_never_below_their_floor(
     assert _policy().step(_obs(free_bytes=0, slots=8, kv_tokens=1024)) is None
 
 
+def test_cpu_slots_that_hold_nothing_do_not_count_as_memory_given_back():
+    """On the CPU a slot row is committed when first filled: with slots 30..39 grown and never
+    filled, a 100 MB deficit takes those 10 and 10 filled ones (by the resident bytes each
+    shrink returns), not 10 slots of nominal size that would return nothing."""
+    resident = lambda n: max(0, 30 - n) * SLOT  # noqa: E731 - rows [n, 30) are resident
+    obs = _obs(free_bytes=350 * MB, slot_release=resident)
+    move = _policy().step(obs)
+    assert (move.slots, move.kv_tokens) == (20, obs.kv_tokens)
+    assert move.bytes_delta == 10 * SLOT
+    # a deficit past what the resident slots hold: every slot above the floor, then KV pages
+    move = _policy().step(_obs(free_bytes=0, slot_release=resident))
+    taken = 32768 - move.kv_tokens
+    assert move.slots == 8 and (taken - PAGE) * TOKEN < 450 * MB - 22 * SLOT <= taken * TOKEN
+    # every slot above the floor empty: the slots stay, KV pages carry the shrink
+    move = _policy().step(_obs(free_bytes=350 * MB, slot_release=lambda n: 0))
+    assert move.slots == 40 and move.bytes_delta >= 100 * MB
+    assert move.bytes_delta == (32768 - move.kv_tokens) * TOKEN
+
+
 def test_kv_that_does_not_resize_leaves_the_slots_alone_to_carry_it():
     obs = _obs(free_bytes=0, kv_tokens=0, kv_floor=0, kv_ceiling=0)
     move = _policy().step(obs)

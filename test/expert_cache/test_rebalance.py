@@ -181,6 +181,27 @@ def test_largest_feasible_follows_host_memory(monkeypatch):
     assert rebalance(cache, K)["expert_cache"]["slots"] == K
 
 
+def test_a_shrink_reports_the_resident_bytes_it_returns():
+    """CPU slot rows are committed when first filled: rows added by a grow and never filled
+    hold no memory, so shrinking them back returns (and reports) 0 bytes, while a shrink of
+    filled rows returns their pages; ``slot_release_bytes`` says so before the shrink."""
+    cache = _warm("50%")
+    n, eb = cache.num_slots, cache.host.expert_bytes
+    filled = cache.slot_footprint_bytes()
+    assert 0 < filled <= n * eb + len(cache.slots.specs) * 4096
+    rebalance(cache, L * E)  # a grow: rows [n, L * E) are empty
+    assert cache.slot_release_bytes(n) == 0 < (L * E - n) * eb
+    assert cache.slot_footprint_bytes() == cache.slot_release_bytes(0) == filled
+    assert rebalance(cache, n)["released_bytes"] == 0
+    expect = cache.slot_release_bytes(K)
+    assert 0 < expect <= (n - K) * eb
+    out = rebalance(cache, K)
+    assert out["released_bytes"] == expect
+    assert cache.slot_release_bytes(0) == cache.slot_footprint_bytes() <= filled - expect + 4096 * 4
+    with pytest.raises(ValueError, match="outside"):
+        cache.slot_release_bytes(K + 1)
+
+
 def test_rebalance_counts_times_and_reports():
     cache = _warm("50%")
     dry = rebalance(cache, K, dry_run=True)

@@ -33,8 +33,10 @@ until the VMM reservation exists, with KV pages that do not resize: :func:`shrin
 pressure mode stays off, with one warning: shrinking would only slow the server down; a
 shrink whose answer says it released nothing is undone and turns pressure mode off. A refused
 or failed move is retried after a cooldown that doubles with each failure in a row. The
-bytes a move logs are the pools' sizes; on the CPU a slot row never filled since the last
-shrink was never committed, so the resident memory may drop by less.
+bytes a move logs are the pools' sizes, except on the CPU: a slot row never filled since the
+last shrink was never committed, so there a shrink is sized by the resident pages it returns
+(``ExpertSlotCache.slot_release_bytes``, ``mincore``), so taking empty slots does not count as
+memory given back, and the bytes it logs are the resident bytes released.
 """
 
 from __future__ import annotations
@@ -206,6 +208,10 @@ class PressureObservation:
             (``ElasticKV.floor``); kv_ceiling: the largest (``ElasticKV.max_tokens``);
             token_bytes: bytes of one KV token over all layers; page_size: tokens per page.
             Where KV pages do not resize: kv_floor = kv_ceiling = kv_tokens.
+        slot_release: ``n -> bytes`` a shrink to ``n`` slots would return to the OS now (CPU
+            slots: the resident pages of rows ``[n, slots)``, ``ExpertSlotCache.
+            slot_release_bytes``; a row never filled since the last shrink holds nothing), or
+            None: ``(slots - n) * slot_bytes`` (the pools' sizes).
     """
 
     free_bytes: int
@@ -219,6 +225,13 @@ class PressureObservation:
     kv_ceiling: int = 0
     token_bytes: int = 1
     page_size: int = 1
+    slot_release: Optional[Callable[[int], int]] = None
+
+    def slot_release_bytes(self, n: int) -> int:
+        """Bytes a shrink from :attr:`slots` to ``n`` slots returns (see ``slot_release``)."""
+        if self.slot_release is not None:
+            return int(self.slot_release(n))
+        return max(0, self.slots - n) * self.slot_bytes
 
 
 @dataclass(frozen=True)
@@ -334,17 +347,38 @@ class PressurePolicy:
         self.grow_streak = 0
         self.cooldown_left = self.cooldown
 
+    @staticmethod
+    def _slots_to_take(obs: PressureObservation, need: int) -> Tuple[int, int]:
+        """``(take, bytes)``: the fewest slots whose shrink returns ``need`` bytes (by
+        :meth:`PressureObservation.slot_release_bytes`, which does not rise with the number
+        kept), or every slot above the floor when that returns less; 0 slots when even that
+        returns nothing (rows never filled: shrinking them would only slow the server)."""
+        room = max(0, obs.slots - obs.slot_floor)
+        if room == 0 or obs.slot_bytes <= 0:
+            return 0, 0
+        most = obs.slot_release_bytes(obs.slot_floor)
+        if most <= 0:
+            return 0, 0
+        if most < need:
+            return room, most
+        lo, hi = 1, room  # the smallest take with release(slots - take) >= need
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if obs.slot_release_bytes(obs.slots - mid) >= need:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, obs.slot_release_bytes(obs.slots - lo)
+
     def _shrink(self, obs: PressureObservation, need: int) -> Optional[PressureMove]:
         ps = max(1, obs.page_size)
-        take = 0
-        if obs.slot_bytes > 0:
-            take = min(max(0, obs.slots - obs.slot_floor), math.ceil(need / obs.slot_bytes))
-        rest = need - take * obs.slot_bytes
+        take, slot_freed = self._slots_to_take(obs, need)
+        rest = need - slot_freed
         tokens = 0
         if rest > 0 and obs.token_bytes > 0:
             room = max(0, obs.kv_tokens - obs.kv_floor) // ps * ps
             tokens = min(room, -(-math.ceil(rest / obs.token_bytes) // ps) * ps)
-        freed = take * obs.slot_bytes + tokens * obs.token_bytes
+        freed = slot_freed + tokens * obs.token_bytes
         if freed <= 0:
             self.at_floors = True
             return None
@@ -412,9 +446,11 @@ class _PressureState:
 
 
 def footprint_bytes(cache, el) -> int:
-    """Bytes of the server's elastic pools at their sizes now: the expert slots plus, where KV
-    pages resize, the KV pool with its padding page (``ElasticKV.split``'s ``kv_bytes``)."""
-    total = int(cache.num_slots) * int(cache.host.expert_bytes) if cache is not None else 0
+    """Bytes the server's elastic pools hold now: the expert slots
+    (``ExpertSlotCache.slot_footprint_bytes``: resident pages on the CPU, the pool's size on
+    CUDA) plus, where KV pages resize, the KV pool with its padding page (``ElasticKV.split``'s
+    ``kv_bytes``)."""
+    total = int(cache.slot_footprint_bytes()) if cache is not None else 0
     if el is not None:
         total += (int(el.size) + int(el.page_size)) * int(el.token_bytes)
     return total
@@ -552,6 +588,7 @@ def observe(scheduler, st: _PressureState, cache, el) -> Optional[PressureObserv
         slot_floor=slot_floor(cache),
         slot_ceiling=max_feasible_slots(cache),
         slot_bytes=int(cache.host.expert_bytes),
+        slot_release=cache.slot_release_bytes if cache.device.type == "cpu" else None,
         **kv,
     )
 

@@ -24,6 +24,7 @@ import mmap
 import os
 from typing import List
 
+import numpy as np
 import torch
 
 MADV_DONTNEED = 4  # <sys/mman.h>
@@ -32,7 +33,29 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_libc.mincore.restype = ctypes.c_int
 PAGE = mmap.PAGESIZE
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of the pages in ``[addr, addr + length)`` resident now (``mincore(2)``).
+
+    Args:
+        addr: a page-aligned address inside a mapping.
+        length: bytes (rounded up to whole pages); 0 or less gives 0.
+
+    Raises:
+        OSError: ``mincore`` refused (an address outside a mapping: ``ENOMEM``).
+    """
+    if length <= 0:
+        return 0
+    n = -(-length // PAGE)
+    vec = (ctypes.c_ubyte * n)()
+    if _libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n * PAGE), vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * PAGE
 
 
 class CommitFailed(MemoryError):
@@ -105,13 +128,7 @@ class ReservedBuffer:
 
     def resident_bytes(self) -> int:
         """Bytes of this mapping resident now (``mincore(2)``), for tests and the split."""
-        n = len(self._map) // PAGE
-        vec = (ctypes.c_ubyte * n)()
-        _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        if _libc.mincore(ctypes.c_void_p(self.base), ctypes.c_size_t(len(self._map)), vec) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        return sum(b & 1 for b in vec) * PAGE
+        return resident_bytes(self.base, len(self._map))
 
 
 class HostKVBacking:

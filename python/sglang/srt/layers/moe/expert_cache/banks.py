@@ -263,28 +263,58 @@ class ExpertBanks:
         flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
         return flat.view(spec.dtype).view(rows, *spec.row_shape)
 
+    def _tail_span(self, spec: BankSpec, start: int, stop: int) -> Tuple[int, int]:
+        """Byte offsets ``[lo, hi)`` of the whole pages of rows ``[start, stop)`` that hold no
+        row below ``start`` (the pages a release of the tail from ``start`` drops)."""
+        rb, pg = _row_bytes(spec), mmap.PAGESIZE
+        lo = -(-start * rb // pg) * pg
+        hi = min(-(-stop * rb // pg) * pg, len(self._maps[spec.name]))
+        return lo, max(lo, hi)
+
+    def resident_bytes(self, start: int = 0, stop: Optional[int] = None) -> int:
+        """Bytes of the reserved banks' memory resident now (``mincore(2)``) in the pages of
+        rows ``[start, stop)`` that a :meth:`release_rows` from ``start`` would drop: what a
+        shrink to ``start`` rows returns to the OS, where a row never written since the last
+        release holds nothing (0 for banks that are not reserved).
+
+        Raises:
+            ValueError: ``0 <= start <= stop <= rows`` does not hold.
+        """
+        from sglang.srt.mem_cache.elastic_kv.backing import resident_bytes
+
+        stop = self.rows if stop is None else stop
+        if not 0 <= start <= stop <= self.rows:
+            raise ValueError(f"resident_bytes({start}, {stop}) outside [0, {self.rows}]")
+        total = 0
+        for spec in self.specs:
+            if spec.name not in self._maps:
+                continue
+            lo, hi = self._tail_span(spec, start, stop)
+            base = self.tensors[spec.name].data_ptr()
+            total += resident_bytes(base + lo, hi - lo)
+        return total
+
     def release_rows(self, start: int) -> int:
         """Return the memory of rows ``[start, rows)`` of every reserved bank to the OS; the
         rows read as zeros afterwards and are committed again when written.
 
         Returns:
-            bytes released (whole pages inside the tail; 0 for banks that are not reserved).
+            bytes returned to the OS: the resident pages of the tail that holds no row below
+            ``start`` (:meth:`resident_bytes` just before; 0 for banks that are not reserved).
 
         Raises:
             ValueError: ``start`` outside ``[0, rows]``.
         """
         if not 0 <= start <= self.rows:
             raise ValueError(f"release_rows({start}) outside [0, {self.rows}]")
-        released = 0
+        released = self.resident_bytes(start)
         for spec in self.specs:
             mm = self._maps.get(spec.name)
             if mm is None:
                 continue
-            total = self.rows * _row_bytes(spec)
-            lo = -(-start * _row_bytes(spec) // mmap.PAGESIZE) * mmap.PAGESIZE
-            if lo < total:
-                mm.madvise(mmap.MADV_DONTNEED, lo, total - lo)
-                released += total - lo
+            lo, _ = self._tail_span(spec, start, self.rows)
+            if lo < len(mm):
+                mm.madvise(mmap.MADV_DONTNEED, lo, len(mm) - lo)
         return released
 
     @property

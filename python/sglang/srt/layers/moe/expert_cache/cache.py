@@ -389,6 +389,30 @@ class ExpertSlotCache:
         """The most slots :meth:`resize_slots` can give (reserved at :meth:`finalize`)."""
         return self.tables.id_of_slot.numel() if self.finalized else 0
 
+    def slot_release_bytes(self, num_slots: int) -> int:
+        """Bytes a shrink to ``num_slots`` would return to the OS now: on the CPU the resident
+        pages of slot rows ``[num_slots, self.num_slots)`` (``mincore``; a row never filled
+        since the last shrink holds none), on CUDA 0 (one allocation of the startup size,
+        :meth:`resize_slots`). The kept entries a shrink moves below the new end land in
+        rows that held evicted entries or none; the latter commit pages again, so this is an
+        upper bound when the cache is not full.
+
+        Raises:
+            ValueError: ``num_slots`` outside ``[0, self.num_slots]``.
+        """
+        if not 0 <= num_slots <= self.num_slots:
+            raise ValueError(f"slot_release_bytes({num_slots}) outside [0, {self.num_slots}]")
+        if not self.finalized or self.device.type != "cpu":
+            return 0
+        return self.slots.resident_bytes(num_slots, self.num_slots)
+
+    def slot_footprint_bytes(self) -> int:
+        """Bytes the slot pool holds now: the resident pages of the live slots on the CPU
+        (``mincore``), ``num_slots * expert_bytes`` on CUDA."""
+        if self.finalized and self.device.type == "cpu":
+            return self.slots.resident_bytes(0, self.num_slots)
+        return int(self.num_slots) * int(self.host.expert_bytes)
+
     def resize_slots(self, num_slots: int, on_step: Optional[Callable[[str], None]] = None) -> int:
         """Resize the slot pool at a safe point (no layer call in flight), keeping the most
         recently used entries; FreeToken §3.3 "Runtime cache reconfiguration" (module
@@ -415,8 +439,8 @@ class ExpertSlotCache:
 
         Returns:
             bytes of slot memory released to the OS (0 for a grow, and on CUDA for now): the
-            rows between the new and the old end, at most; a row that was never filled since
-            the last shrink was never committed.
+            resident pages of the rows between the new and the old end (``mincore``); a row
+            never filled since the last shrink was never committed and returns nothing.
 
         Raises:
             RuntimeError: before :meth:`finalize`.
@@ -472,7 +496,8 @@ class ExpertSlotCache:
         if num_slots < old:
             try:
                 step("release")
-                # Rows past the old end hold nothing committed: count [num_slots, old) only.
+                # Resident pages past the new end (rows past the old end were released at a
+                # shrink or never written after a grow); at most the rows [num_slots, old).
                 released = min(
                     self.slots.release_rows(num_slots), (old - num_slots) * self.host.expert_bytes
                 )
