@@ -34,8 +34,8 @@ pressure mode stays off, with one warning: shrinking would only slow the server 
 shrink whose answer says it released nothing is undone and turns pressure mode off. A refused
 or failed move is retried after a cooldown that doubles with each failure in a row. The
 bytes a move logs are the pools' sizes, except on the CPU: a slot row never filled since the
-last shrink was never committed, so there a shrink is sized by the resident pages it returns
-(``ExpertSlotCache.slot_release_bytes``, ``mincore``), so taking empty slots does not count as
+last shrink was never committed. There a shrink is sized by the resident pages it returns
+(``ExpertSlotCache.slot_release_bytes``, ``mincore``): taking empty slots does not count as
 memory given back, and the bytes it logs are the resident bytes released.
 """
 

@@ -173,8 +173,7 @@ class HostKVBacking:
                 view = buf.rows(src.shape[0])
                 view.copy_(src)
                 out.append(buf)
-                bufs[layer] = view
-                del src  # the last reference to the old tensor may be the list's, now gone
+                bufs[layer] = view  # src is rebound next: the old layer is freed by then
 
     @property
     def buffers(self) -> List[ReservedBuffer]:
