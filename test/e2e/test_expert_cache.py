@@ -124,6 +124,11 @@ def test_cache_equals_all_resident(results, server_pool, arch, config):
         srv = server_pool.get(arch, _cache_args(arch, config))
         log = srv.log.read_text(errors="replace")
         assert "streamed through two full-layer buffers" in log, srv.log_tail(40)
+        # the cache's layers stay on the module path (patch 0007's flat decode refuses them)
+        assert (
+            "CPU decode layers: upstream's module path (layer 0's experts run "
+            "ExpertCacheMoEMethod)" in log
+        ), srv.log_tail(40)
 
 
 def test_metrics_exported(results, server_pool):

@@ -70,6 +70,8 @@ def test_fp8_serves_without_the_cache(arch, results):
     assert "dense FP8 linears are dequantized to torch.bfloat16 at load" in log
     if arch == "deepseek_v3_fp8":
         assert "MLA kv_b_proj: block FP8 dequantized to bf16 at load" in log
+    else:  # FP8 experts stay on the module path (patch 0007's flat decode is bf16 only)
+        assert "CPU decode layers: upstream's module path (layer 0's" in log
 
 
 def test_eight_slots_equal_all_resident(results):
