@@ -13,8 +13,10 @@ each a server started with these environment variables:
 * ``linears``: ``base`` plus the decode linears on ``dense_linear_cpu`` (patch 0004);
 * ``unfused``: ``fork`` with ``SGLANG_CPU_FUSED_NORM=0`` (RMSNorm, q/k norm and rotary as
   upstream's torch ops: the fork before patch 0006);
-* ``fork``: everything on (executor, decode linears, fused norms, ``OMP_WAIT_POLICY=PASSIVE``:
-  serve.sh).
+* ``modules``: ``fork`` with ``SGLANG_CPU_DECODE_LAYERS=0`` (each decode pass through upstream's
+  layer loop and modules: the fork before patch 0007);
+* ``fork``: everything on (executor, decode linears, fused norms, the flat decode layers,
+  ``OMP_WAIT_POLICY=PASSIVE``: serve.sh).
 
 Decode tok/s: one greedy stream of ``--new-tokens`` after a ``--prompt-len`` random prompt,
 tokens after the first / time from the first streamed chunk to the last; median of
@@ -77,6 +79,7 @@ VARIANTS = {
     },
     "linears": {**BASE_ENV, "SGLANG_CPU_DENSE_LINEAR_MAX_ROWS": "4"},
     "unfused": {"SGLANG_CPU_FUSED_NORM": "0"},
+    "modules": {"SGLANG_CPU_DECODE_LAYERS": "0"},
     "fork": {},
 }
 # Small KV and state pools: the benchmark runs one request at a time.
