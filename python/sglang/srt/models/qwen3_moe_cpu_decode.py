@@ -11,8 +11,9 @@ arguments, straight from a per-model plan built once:
     norm (fused add + RMSNorm) -> qkv (dense_linear_cpu) -> q/k norm + rotary
     (fused_qk_norm_rope_cpu) -> KV write (the pool's set_kv_buffer) -> attention
     (extend_attention_cpu, one query row per request, KV read in place) -> o_proj
-    -> add + RMSNorm -> router (dense_linear_cpu) -> softmax top-k -> experts
-    (moe_experts_cpu) -> ... -> the model's final add + RMSNorm.
+    -> add + RMSNorm -> router (dense_linear_cpu) -> top-k (upstream's
+    fused_topk_torch_native) -> experts (moe_experts_cpu) -> ... -> the model's final add +
+    RMSNorm.
 
 So its outputs are bit-identical to the module path's (test/e2e/test_cpu_decode_layers.py
 compares greedy tokens and logprobs with ``SGLANG_CPU_DECODE_LAYERS=0``, one request and
@@ -46,9 +47,6 @@ logger = logging.getLogger(__name__)
 OFF_ENV = "SGLANG_CPU_DECODE_LAYERS"
 _PLAN_ATTR = "_cpu_decode_layers_plan"
 _logged: set = set()
-# fused_topk_torch_native's renormalization epsilon (srt/layers/moe/topk.py,
-# _RENORMALIZE_SUM_EPSILON); read from upstream when the plan is built.
-_renorm_eps: float = 1e-20
 
 
 class _Layer:
@@ -83,7 +81,6 @@ class _Layer:
         "renormalize",
         "w13",
         "w2",
-        "attn_module",
     )
 
 
@@ -213,14 +210,10 @@ def _plan_reason(model) -> Optional[str]:
 
 
 def _build(model) -> Optional[List[_Layer]]:
-    global _renorm_eps
-    from sglang.srt.layers.moe import topk as topk_mod
-
     reason = _plan_reason(model)
     if reason is not None:
         _log_once("plan", "CPU decode layers: upstream's module path (%s)", reason)
         return None
-    _renorm_eps = float(getattr(topk_mod, "_RENORMALIZE_SUM_EPSILON", _renorm_eps))
     plan = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -238,7 +231,7 @@ def _build(model) -> Optional[List[_Layer]]:
         p.neox, p.rotary_dim = attn.rotary_emb.is_neox_style, attn.rotary_emb.rotary_dim
         p.o_w = attn.o_proj.weight
         p.o_b = None if attn.o_proj.skip_bias_add else attn.o_proj.bias
-        p.radix, p.scaling, p.attn_module = attn.attn, attn.attn.scaling, attn
+        p.radix, p.scaling = attn.attn, attn.attn.scaling
         p.gate_w, p.top_k = mlp.gate.weight, mlp.topk.topk_config.top_k
         p.renormalize = mlp.topk.topk_config.renormalize
         p.w13, p.w2 = mlp.experts.w13_weight, mlp.experts.w2_weight
@@ -316,8 +309,8 @@ def decode_layers(
     fast_attn = extend_kernel_supported(probe, k0, pool.get_value_buffer(plan[0].layer_id))
     _log_once(f"rows{rows}", "CPU decode layers: first flat decode pass of %d row(s)", rows)
 
+    from sglang.srt.layers.moe.topk import fused_topk_torch_native
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: F401
 
     ops = torch.ops.sgl_kernel
     add_norm, norm, qk_rope = ops.fused_add_rmsnorm_cpu, ops.rmsnorm_cpu, ops.fused_qk_norm_rope_cpu
@@ -377,11 +370,7 @@ def decode_layers(
         h = linear(o, p.o_w, p.o_b)
         add_norm(h, residual, p.post_w, p.post_eps)
         logits = linear(h, p.gate_w, None)
-        weights, ids = torch.topk(logits.float().softmax(dim=-1), p.top_k, dim=-1)
-        if p.renormalize:
-            weights = weights / (
-                weights.sum(dim=-1, keepdim=True, dtype=torch.float32) + _renorm_eps
-            )
+        weights, ids = fused_topk_torch_native(h, logits, p.top_k, p.renormalize)
         out = torch.empty(rows, p.w2.shape[1], dtype=torch.float32)
         experts(
             h,
