@@ -218,6 +218,53 @@ def assert_split_happened(counters: dict[str, float], slots: int) -> None:
     assert counters["fills_total"] + counters["cpu_experts_total"] == counters["misses_total"]
 
 
+# Prompts of the accuracy checks against transformers bf16: eight of 300 tokens (2392 scored),
+# not the 399 tokens of random_prompts(). The mean |error| of a bf16 stack on a random model is
+# a sum of chaotic per-token errors: over 399 tokens a change of one bf16 unit in 10^4 norm
+# outputs moved DeepSeek-V3 FP8's mean 11% (0.145 / 0.131), over 2392 tokens 0.8%.
+ACCURACY_PROMPT_LENGTHS = (300,) * 8
+ACCURACY_SEED = 7
+
+
+def assert_as_accurate_as_transformers_bf16(
+    url: str, model_dir: Path, hf_class: str, label: str
+) -> None:
+    """Prompt logprobs of the server at ``url`` against transformers float32 on ``model_dir``
+    (the weights the server computes with, e.g. a dequantized checkpoint) are as accurate as
+    transformers' own bf16 of ``model_dir``: mean |error| within 1.2x, max within 2x (an
+    independent bf16 stack; a wrong scale or attention path is many times that), on the
+    :data:`ACCURACY_PROMPT_LENGTHS` prompts. ``hf_class``: the class the folder must load as;
+    ``label``: names the model in the printed figures."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts(ACCURACY_PROMPT_LENGTHS, seed=ACCURACY_SEED)
+    outs = greedy_with_logprobs(url, prompts, 1)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    assert type(hf).__name__ == hf_class, type(hf).__name__
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    ours, theirs = [], []
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+            lpb = hf_bf16(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+        pos = torch.arange(1, len(ids))
+        tok = torch.tensor(ids[1:])
+        ref, ref_bf16 = lp[pos - 1, tok], lpb[pos - 1, tok]
+        ours.append((torch.tensor(out["in_lp"]) - ref).abs())
+        theirs.append((ref_bf16 - ref).abs())
+    ours, theirs = torch.cat(ours), torch.cat(theirs)
+    figures = (
+        f"{label}: |logprob error| vs float32 over {ours.numel()} tokens: mean server "
+        f"{ours.mean():.4f} / transformers bf16 {theirs.mean():.4f}, max {ours.max():.4f} / "
+        f"{theirs.max():.4f}"
+    )
+    print(figures)
+    assert theirs.mean() > 0, "transformers bf16 matched float32 exactly"
+    assert ours.mean() <= 1.2 * theirs.mean(), figures
+    assert ours.max() <= 2 * theirs.max(), figures
+
+
 # Bounds of a cache server's error against transformers in float32, relative to the error of
 # upstream's per-expert torch loop (SGLANG_CPU_MOE_BACKEND=native) on the same prompts: the
 # whole-model error is dominated by bf16 rounding elsewhere, and its max is a near-tie token.

@@ -22,12 +22,17 @@ Checked: the no-cache server serves (its log says the dense linears were dequant
 (token, expert) entry runs the same FP8 kernel from a slot, the host pool or the resident
 layer; ``test/expert_cache/test_fp8_moe_layer.py`` shows the all-resident cache bit-identical
 to the stock block at the layer level, so the no-cache server stands for all resident here).
-Accuracy: the no-cache server's prompt logprobs against transformers float32 on the
-dequantized checkpoint (``quantize.dequantize_fp8_checkpoint``: the weights the server
-computes with) are as accurate as transformers' own bf16 of that checkpoint (mean |error|
-within 1.2x, max within 2x; measured over 399 tokens: DeepSeek-V3 mean 0.132 / 0.130, max
-2.07 / 1.94; Qwen3-MoE mean 0.065 / 0.068, max 0.47 / 0.42). Without patch 0017 (upstream's
-per-tensor requantization of ``kv_b_proj``) DeepSeek-V3's mean was 0.168, 1.29x: outside.
+Accuracy: the no-cache server's prompt logprobs on eight more 300-token prompts against
+transformers float32 on the dequantized checkpoint (``quantize.dequantize_fp8_checkpoint``:
+the weights the server computes with) are as accurate as transformers' own bf16 of that
+checkpoint (mean |error| within 1.2x, max within 2x; measured over 2392 tokens on an AVX2
+machine: DeepSeek-V3 mean 0.116 / 0.126, max 7.26 / 6.31; Qwen3-MoE mean 0.061 / 0.068, max
+0.54 / 0.65). The mean of a bf16 stack's error on a random model is a noisy statistic: over
+the 399 tokens of the equality prompts, turning the fused norm ops off (outputs equal to
+``forward_native``'s but for one bf16 unit in 10^4) moved DeepSeek-V3's server mean from
+0.145 to 0.131 (transformers bf16: 0.117, 0.130 on an AVX-512 machine); over the 2392 tokens
+the same switch moves it from 0.1162 to 0.1153. Without patch 0017 (upstream's per-tensor
+requantization of ``kv_b_proj``) DeepSeek-V3's mean was 0.168 over the 399 tokens, 1.29x.
 Upstream has no other FP8 MoE path on this CPU (no torch loop), so
 ``e2e_util.assert_as_accurate_as_torch_loop`` does not apply.
 """
@@ -38,9 +43,9 @@ import pytest
 from conftest import model_path
 from e2e_util import (
     CACHE_SLOTS8,
+    assert_as_accurate_as_transformers_bf16,
     assert_identical_outputs,
     assert_split_happened,
-    random_prompts,
     results_fixture,
 )
 
@@ -82,38 +87,16 @@ def test_eight_slots_equal_all_resident(results):
     assert "routed fp8-block experts" in results("slots8_log")
 
 
-def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, results, tmp_path):
+def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(
+    arch, results, server_pool, tmp_path
+):
     """Prompt logprobs of the no-cache server (= the 8-slot server's, above) against
     transformers float32 on the dequantized checkpoint: mean |error| within 1.2x and max
-    within 2x of transformers bf16's on the same checkpoint (an independent bf16 stack; a
-    wrong scale or a wrong attention path is many times that)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    within 2x of transformers bf16's on the same checkpoint
+    (``e2e_util.assert_as_accurate_as_transformers_bf16``)."""
     from sglang.test.tiny_models.quantize import dequantize_fp8_checkpoint
 
+    results("stock")  # starts the no-cache server (pooled: still up for the prompts below)
+    srv = server_pool.get(arch, CONFIGS["stock"][0], env=CONFIGS["stock"][1])
     deq = dequantize_fp8_checkpoint(model_path(arch), tmp_path / "deq")
-    hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
-    assert type(hf).__name__ == HF_CLASS[arch]
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.bfloat16).eval()
-    outs = results("stock")
-    ours, theirs = [], []
-    for i, ids in enumerate(random_prompts()):
-        with torch.no_grad():
-            lp = hf(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
-            lpb = hf_bf16(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
-        pos = torch.arange(1, len(ids))
-        tok = torch.tensor(ids[1:])
-        ref, ref_bf16 = lp[pos - 1, tok], lpb[pos - 1, tok]
-        ours.append((torch.tensor(outs[i]["in_lp"]) - ref).abs())
-        theirs.append((ref_bf16 - ref).abs())
-    ours, theirs = torch.cat(ours), torch.cat(theirs)
-    figures = (
-        f"{arch}: |logprob error| vs float32 over {ours.numel()} tokens: mean server "
-        f"{ours.mean():.4f} / transformers bf16 {theirs.mean():.4f}, max {ours.max():.4f} / "
-        f"{theirs.max():.4f}"
-    )
-    print(figures)
-    assert theirs.mean() > 0, "transformers bf16 matched float32 exactly"
-    assert ours.mean() <= 1.2 * theirs.mean(), figures
-    assert ours.max() <= 2 * theirs.max(), figures
+    assert_as_accurate_as_transformers_bf16(srv.url, deq, HF_CLASS[arch], arch)
