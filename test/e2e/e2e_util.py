@@ -226,10 +226,16 @@ ACCURACY_PROMPT_LENGTHS = (300,) * 8
 ACCURACY_SEED = 7
 
 
+def accuracy_prompts() -> list[list[int]]:
+    """The prompts of :func:`assert_as_accurate_as_transformers_bf16`."""
+    return random_prompts(ACCURACY_PROMPT_LENGTHS, seed=ACCURACY_SEED)
+
+
 def assert_as_accurate_as_transformers_bf16(
-    url: str, model_dir: Path, hf_class: str, label: str
+    outs: list[dict], model_dir: Path, hf_class: str, label: str
 ) -> None:
-    """Prompt logprobs of the server at ``url`` against transformers float32 on ``model_dir``
+    """Prompt logprobs of a server (``outs``: :func:`greedy_with_logprobs` of it on
+    :func:`accuracy_prompts`) against transformers float32 on ``model_dir``
     (the weights the server computes with, e.g. a dequantized checkpoint) are as accurate as
     transformers' own bf16 of ``model_dir``: mean |error| within 1.2x, max within 2x (an
     independent bf16 stack; a wrong scale or attention path is many times that), on the
@@ -238,8 +244,8 @@ def assert_as_accurate_as_transformers_bf16(
     import torch
     from transformers import AutoModelForCausalLM
 
-    prompts = random_prompts(ACCURACY_PROMPT_LENGTHS, seed=ACCURACY_SEED)
-    outs = greedy_with_logprobs(url, prompts, 1)
+    prompts = accuracy_prompts()
+    assert len(outs) == len(prompts)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     assert type(hf).__name__ == hf_class, type(hf).__name__
     hf_bf16 = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
@@ -344,14 +350,22 @@ CACHE_SLOTS8 = (
 TORCH_LOOP_ENV = {"SGLANG_CPU_MOE_BACKEND": "native"}  # upstream's per-expert torch MoE loop
 
 
-def results_fixture(arch: str, configs: dict, new_tokens: int = 16, name: str | None = None):
+def results_fixture(
+    arch: str,
+    configs: dict,
+    new_tokens: int = 16,
+    name: str | None = None,
+    accuracy_of: str | None = None,
+):
     """A pytest fixture ``results`` for ``arch``: ``results(name)`` is the output of
     :func:`greedy_with_logprobs` on :func:`random_prompts` from the pooled server of
     ``configs[name] = (extra launch flags, env or None)``, measured once per test session;
     ``results(name + "_log")`` is that server's log text and ``results(name + "_metrics")``
     its :func:`expert_cache_counters` (for configurations with ``--enable-metrics``). ``name``:
     the fixture's name; None (the default) leaves it to pytest, i.e. the module attribute the
-    fixture is assigned to (``results_mixtral = results_fixture("mixtral", ...)``)."""
+    fixture is assigned to (``results_mixtral = results_fixture("mixtral", ...)``).
+    ``accuracy_of``: a configuration whose server also answers :func:`accuracy_prompts` (one
+    new token each) while it is up: ``results(accuracy_of + "_accuracy")``."""
     import pytest
 
     store: dict = {}
@@ -360,10 +374,12 @@ def results_fixture(arch: str, configs: dict, new_tokens: int = 16, name: str | 
     def results(server_pool):
         def get(name: str):
             if name not in store:
-                base = name.removesuffix("_log").removesuffix("_metrics")
+                base = name.removesuffix("_log").removesuffix("_metrics").removesuffix("_accuracy")
                 extra, env = configs[base]
                 srv = server_pool.get(arch, extra, env=env)
                 store[base] = greedy_with_logprobs(srv.url, random_prompts(), new_tokens)
+                if base == accuracy_of:
+                    store[base + "_accuracy"] = greedy_with_logprobs(srv.url, accuracy_prompts(), 1)
                 store[base + "_log"] = srv.log.read_text(errors="replace")
                 if "--enable-metrics" in extra:
                     store[base + "_metrics"] = expert_cache_counters(srv.url)

@@ -49,10 +49,14 @@ from e2e_util import (
 
 NEW_TOKENS = 16
 CONFIGS = {"stock": ((), None), "slots8": (CACHE_SLOTS8, None)}
-qwen3_moe_ct_fp8 = results_fixture("qwen3_moe_ct_fp8", CONFIGS, NEW_TOKENS)
-glm4_moe_ct_fp8 = results_fixture("glm4_moe_ct_fp8", CONFIGS, NEW_TOKENS)
-qwen3_moe_ct_fp8_block = results_fixture("qwen3_moe_ct_fp8_block", CONFIGS, NEW_TOKENS)
-qwen3_moe_ct_fp8_tensor = results_fixture("qwen3_moe_ct_fp8_tensor", CONFIGS, NEW_TOKENS)
+qwen3_moe_ct_fp8 = results_fixture("qwen3_moe_ct_fp8", CONFIGS, NEW_TOKENS, accuracy_of="stock")
+glm4_moe_ct_fp8 = results_fixture("glm4_moe_ct_fp8", CONFIGS, NEW_TOKENS, accuracy_of="stock")
+qwen3_moe_ct_fp8_block = results_fixture(
+    "qwen3_moe_ct_fp8_block", CONFIGS, NEW_TOKENS, accuracy_of="stock"
+)
+qwen3_moe_ct_fp8_tensor = results_fixture(
+    "qwen3_moe_ct_fp8_tensor", CONFIGS, NEW_TOKENS, accuracy_of="stock"
+)
 HF_CLASS = {
     "qwen3_moe_ct_fp8": "Qwen3MoeForCausalLM",
     "glm4_moe_ct_fp8": "Glm4MoeForCausalLM",
@@ -96,19 +100,15 @@ def test_eight_slots_equal_all_resident(arch, results):
     assert f"routed {LABEL[arch]} experts" in results("slots8_log")
 
 
-def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(
-    arch, results, server_pool, tmp_path
-):
+def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, results, tmp_path):
     """Prompt logprobs of the no-cache server (= the 8-slot server's, above) against
     transformers float32 on the dequantized checkpoint: mean |error| within 1.2x and max
     within 2x of transformers bf16's on the same checkpoint
     (``e2e_util.assert_as_accurate_as_transformers_bf16``)."""
     from sglang.test.tiny_models.quantize_ct_fp8 import dequantize_ct_fp8_checkpoint
 
-    results("stock")  # starts the no-cache server (pooled: still up for the prompts below)
-    srv = server_pool.get(arch, CONFIGS["stock"][0], env=CONFIGS["stock"][1])
     deq = dequantize_ct_fp8_checkpoint(model_path(arch), tmp_path / "deq")
-    assert_as_accurate_as_transformers_bf16(srv.url, deq, HF_CLASS[arch], arch)
+    assert_as_accurate_as_transformers_bf16(results("stock_accuracy"), deq, HF_CLASS[arch], arch)
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe_ct_fp8", "qwen3_moe_ct_fp8_tensor"])

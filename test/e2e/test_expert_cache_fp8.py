@@ -52,8 +52,8 @@ from e2e_util import (
 NEW_TOKENS = 16
 # "stock": no cache; "slots8": one layer's top-k with qstar (its counters: "slots8_metrics")
 CONFIGS = {"stock": ((), None), "slots8": (CACHE_SLOTS8, None)}
-qwen3_moe_fp8 = results_fixture("qwen3_moe_fp8", CONFIGS, NEW_TOKENS)
-deepseek_v3_fp8 = results_fixture("deepseek_v3_fp8", CONFIGS, NEW_TOKENS)
+qwen3_moe_fp8 = results_fixture("qwen3_moe_fp8", CONFIGS, NEW_TOKENS, accuracy_of="stock")
+deepseek_v3_fp8 = results_fixture("deepseek_v3_fp8", CONFIGS, NEW_TOKENS, accuracy_of="stock")
 HF_CLASS = {"qwen3_moe_fp8": "Qwen3MoeForCausalLM", "deepseek_v3_fp8": "DeepseekV3ForCausalLM"}
 
 
@@ -87,16 +87,12 @@ def test_eight_slots_equal_all_resident(results):
     assert "routed fp8-block experts" in results("slots8_log")
 
 
-def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(
-    arch, results, server_pool, tmp_path
-):
+def test_as_accurate_as_transformers_bf16_on_the_dequantized_checkpoint(arch, results, tmp_path):
     """Prompt logprobs of the no-cache server (= the 8-slot server's, above) against
     transformers float32 on the dequantized checkpoint: mean |error| within 1.2x and max
     within 2x of transformers bf16's on the same checkpoint
     (``e2e_util.assert_as_accurate_as_transformers_bf16``)."""
     from sglang.test.tiny_models.quantize import dequantize_fp8_checkpoint
 
-    results("stock")  # starts the no-cache server (pooled: still up for the prompts below)
-    srv = server_pool.get(arch, CONFIGS["stock"][0], env=CONFIGS["stock"][1])
     deq = dequantize_fp8_checkpoint(model_path(arch), tmp_path / "deq")
-    assert_as_accurate_as_transformers_bf16(srv.url, deq, HF_CLASS[arch], arch)
+    assert_as_accurate_as_transformers_bf16(results("stock_accuracy"), deq, HF_CLASS[arch], arch)
