@@ -2,7 +2,8 @@
 upstream's full-sequence loop vs the new-rows path (patch 0010), the latter mask-free on ATen
 (prefix and causal square as two flash calls merged through their log-sum-exps), with masked
 query blocks (``mask_free=False``), and in our flash kernel (``sgl_kernel_fork.extend_attention``,
-the default where the CPU has AVX-512 BF16 and the inputs are bf16).
+the default at a kernel level of avx2 or better and bf16 inputs; ``SGLANG_CPU_KERNEL_ISA=avx2``
+times its AVX2 path on an AVX-512 BF16 CPU, ``ATEN_CPU_CAPABILITY=avx2`` ATen's).
 
     python benchmark/attention/bench_torch_native_extend.py [--prefix 8192] [--extend 128] [--reps 5]
 

@@ -7,11 +7,11 @@
 * results do not depend on the thread count (each output row is computed by one thread);
 * ``sdpa_extend_new_rows`` takes it for bf16 layers without a window (no ATen attention call
   made) and its result matches the ATen paths (``use_kernel=False``) on mixed batches;
-* bad input is refused with the reason; a CPU without AVX-512 BF16 (or a lower selected
-  kernel level) keeps the ATen paths.
+* bad input is refused with the reason; the scalar kernel level keeps the ATen paths.
 
-Needs AVX-512 BF16 (this project's CI machine has it); elsewhere the kernel tests skip and the
-fallback test runs.
+Every kernel test runs once per ISA path the CPU has (``level``): ``avx512bf16`` (vdpbf16ps, P
+rounded to bf16) and ``avx2`` (AVX2 FMA fp32, taken at the avx512 and avx2 levels), selected
+with ``set_cpu_isa``; the fallback test runs everywhere.
 """
 
 import math
@@ -23,8 +23,32 @@ from test_torch_native_extend import count_sdpa, make_batch, reference, run_new
 import sgl_kernel_fork
 from sglang.srt.layers.attention import torch_native_extend as tne
 
-HAS_KERNEL = sgl_kernel_fork.extend_attention_supported(64)
-needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="CPU without AVX-512 BF16")
+
+def _has_level(name: str) -> bool:
+    before = sgl_kernel_fork.cpu_isa()
+    try:
+        return sgl_kernel_fork.set_cpu_isa(name) == name
+    except RuntimeError:  # the CPU lacks it
+        return False
+    finally:
+        sgl_kernel_fork.set_cpu_isa(before)
+
+
+# The kernel's two paths; a CPU with neither (not x86-64 with AVX2) generates no kernel test.
+LEVELS = [name for name in ("avx512bf16", "avx512", "avx2") if _has_level(name)]
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    """Runs the test at one kernel level (one path of the kernel), then restores the level."""
+    before = sgl_kernel_fork.cpu_isa()
+    sgl_kernel_fork.set_cpu_isa(request.param)
+    assert sgl_kernel_fork.extend_attention_supported(64)
+    try:
+        yield request.param
+    finally:
+        sgl_kernel_fork.set_cpu_isa(before)
+
 
 # bf16 inputs, fp32 softmax, P rounded to bf16, bf16 output (|out| <~ 1: half an ulp 2e-3).
 TOL = dict(atol=1.5e-2, rtol=2e-2)
@@ -64,9 +88,8 @@ CASES = [
 ]
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows,q_pos0,heads,kv_heads,dim,causal", CASES)
-def test_op_matches_float64(rows, q_pos0, heads, kv_heads, dim, causal):
+def test_op_matches_float64(level, rows, q_pos0, heads, kv_heads, dim, causal):
     keys = q_pos0 + rows if causal else q_pos0
     q = rand(rows, heads, dim, seed=1)
     k = rand(keys, kv_heads, dim, seed=2)
@@ -77,8 +100,7 @@ def test_op_matches_float64(rows, q_pos0, heads, kv_heads, dim, causal):
     torch.testing.assert_close(out.double(), ref_attention(q, k, v, q_pos0, scale, causal), **TOL)
 
 
-@needs_kernel
-def test_large_logits_and_strided_views():
+def test_large_logits_and_strided_views(level):
     """Scores of magnitude ~50 (online softmax rescaling) through strided q / out views."""
     rows, heads, dim, prefix = 90, 4, 64, 400
     q = (rand(rows, heads + 2, dim, seed=4) * 8)[:, 1 : heads + 1]  # non-contiguous heads
@@ -91,10 +113,9 @@ def test_large_logits_and_strided_views():
     assert torch.isnan(big[:, 0]).all() and torch.isnan(big[:, -1]).all()  # nothing else written
 
 
-@needs_kernel
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("rows,causal", [(1, False), (7, True)])
-def test_kv_index_reads_the_pool_in_place(index_dtype, rows, causal):
+def test_kv_index_reads_the_pool_in_place(level, index_dtype, rows, causal):
     """``kv_index``: k / v are a KV pool and key j is its row kv_index[j]; the result is the
     one of the gathered copy, bit for bit (the same keys in the same order)."""
     slots, keys, kv_heads, dim = 500, 150, 2, 128
@@ -116,8 +137,7 @@ def test_kv_index_reads_the_pool_in_place(index_dtype, rows, causal):
         sgl_kernel_fork.extend_attention(q, pool_k, pool_v, got, q_pos0, 0.1, causal, kv_index=bad)
 
 
-@needs_kernel
-def test_thread_count_does_not_change_results():
+def test_thread_count_does_not_change_results(level):
     q = rand(150, 4, 64, seed=7)
     k = rand(2150, 2, 64, seed=8)
     v = rand(2150, 2, 64, seed=9)
@@ -134,8 +154,7 @@ def test_thread_count_does_not_change_results():
     assert torch.equal(outs[0], outs[1])
 
 
-@needs_kernel
-def test_extend_takes_the_kernel_and_matches_aten():
+def test_extend_takes_the_kernel_and_matches_aten(level):
     """Mixed batch (prefix 0, extend 1, long prefix), GQA, dim 64 in bf16: no ATen attention
     call with the kernel, and the same result as the ATen paths within bf16 tolerance."""
     prefix, extend = [0, 37, 900, 3], [19, 1, 40, 70]
@@ -150,8 +169,7 @@ def test_extend_takes_the_kernel_and_matches_aten():
     torch.testing.assert_close(out.float(), aten.float(), **TOL)
 
 
-@needs_kernel
-def test_window_and_float32_keep_aten():
+def test_window_and_float32_keep_aten(level):
     for dtype, window in ((torch.bfloat16, 16), (torch.float32, None)):
         args, _ = make_batch([50], [20], 4, 2, 64, 64, dtype, seed=12)
         args.update(scaling=0.125, causal=True, enable_gqa=True, sliding_window_size=window)
@@ -160,8 +178,7 @@ def test_window_and_float32_keep_aten():
         assert rec.calls, (dtype, window)
 
 
-@needs_kernel
-def test_bad_input_is_refused():
+def test_bad_input_is_refused(level):
     q = rand(4, 4, 64, seed=1)
     k = rand(10, 2, 64, seed=2)
     out = torch.empty_like(q)
@@ -178,11 +195,32 @@ def test_bad_input_is_refused():
         sgl_kernel_fork.extend_attention(q, k3, k3, out, 6, 0.125, True)
 
 
-def test_lower_kernel_level_keeps_aten():
-    """With the kernel level capped below avx512bf16 the ATen paths run (and stay correct)."""
+@pytest.mark.skipif(
+    not {"avx512bf16", "avx2"} <= set(LEVELS), reason="needs both paths (an AVX-512 BF16 CPU)"
+)
+def test_the_level_picks_the_path():
+    """avx512bf16 rounds P to bf16 before P V and avx2 does not: on the same input the two
+    outputs differ (so set_cpu_isa reaches the kernel), both within tolerance of float64."""
+    q, k, v = rand(64, 4, 64, seed=20), rand(600, 2, 64, seed=21), rand(600, 2, 64, seed=22)
+    ref = ref_attention(q, k, v, 536, 0.125, True)
+    outs = {}
     before = sgl_kernel_fork.cpu_isa()
     try:
-        sgl_kernel_fork.set_cpu_isa("avx2" if before != "scalar" else "scalar")
+        for name in ("avx512bf16", "avx2"):
+            sgl_kernel_fork.set_cpu_isa(name)
+            outs[name] = torch.empty_like(q)
+            sgl_kernel_fork.extend_attention(q, k, v, outs[name], 536, 0.125, True)
+            torch.testing.assert_close(outs[name].double(), ref, **TOL)
+    finally:
+        sgl_kernel_fork.set_cpu_isa(before)
+    assert not torch.equal(outs["avx512bf16"], outs["avx2"])
+
+
+def test_scalar_kernel_level_keeps_aten():
+    """At the scalar kernel level (no SIMD path) the ATen paths run (and stay correct)."""
+    before = sgl_kernel_fork.cpu_isa()
+    try:
+        sgl_kernel_fork.set_cpu_isa("scalar")
         assert not sgl_kernel_fork.extend_attention_supported(64)
         args, full_q = make_batch([30], [10], 4, 2, 64, 64, torch.bfloat16, seed=13)
         args.update(scaling=0.125, causal=True, enable_gqa=True)

@@ -1,5 +1,10 @@
-// Extend (prefill) attention on the CPU: flash attention over bf16 queries, keys and values with
-// AVX-512 BF16 dot products (vdpbf16ps), fp32 softmax and accumulation.
+// Extend (prefill) attention on the CPU: flash attention over bf16 queries, keys and values,
+// fp32 softmax and accumulation, in one of two ISA paths:
+//   avx512bf16   AVX-512 BF16 dot products (vdpbf16ps), P rounded to bf16 before P V;
+//   avx2         AVX2 + FMA fp32 products (bf16 operands widened in registers), P kept fp32;
+//                also taken on AVX-512 CPUs without BF16 (level "avx512").
+// The path follows the selected kernel level (dispatch.cpp: SGLANG_CPU_KERNEL_ISA, set_cpu_isa);
+// the scalar level has neither and the Python side keeps ATen's flash kernel there.
 //
 //   extend_attention_cpu(q, k, v, out, q_pos0, scale, causal, kv_index=None)
 //
@@ -14,16 +19,17 @@
 // Algorithm: FlashAttention-2's online softmax (Dao, 2023, Algorithm 1), per (query head, block
 // of query rows), over key blocks of kKeyBlock keys. Keys and values are first repacked once per
 // KV head into the operand layout of vdpbf16ps (pairs of bf16 in one 32-bit lane):
-//   K: [block][D/2][kKeyBlock] pairs (k[j][2p], k[j][2p+1])   -> S = Q K^T, 16 keys per vector
-//   V: [block][kKeyBlock/2][D] pairs (v[2t][d], v[2t+1][d])   -> O += P V, 16 dims per vector
-// so the two products are register-blocked outer products (16 accumulators each) without
-// horizontal sums. P is rounded to bf16 before P V (as FlashAttention does in half precision).
+//   K: [block][D/2][kKeyBlock] pairs (k[j][2p], k[j][2p+1])   -> S = Q K^T, one key per lane
+//   V: [block][kKeyBlock/2][D] pairs (v[2t][d], v[2t+1][d])   -> O += P V, one dim per lane
+// so the two products are register-blocked outer products without horizontal sums. The AVX2
+// path reads the same packs: a lane's high bf16 is its fp32 value with the low half masked off,
+// the low bf16 is the lane shifted left by 16, so each pair load gives two fp32 operand vectors
+// in one integer op each (no shuffles).
 // Causal masking (bottom-right aligned: row i sees keys [0, q_pos0 + i]) is applied only in the
 // key blocks a query block's diagonal crosses; blocks past the diagonal are skipped.
 //
-// Only this kernel's ISA is AVX-512 BF16 (compiled under a target pragma, entered only when
-// the CPU has it: extend_attention_cpu_supported()); the Python side keeps ATen's flash kernel
-// for every other CPU, dtype and head size.
+// Each path is compiled under its own target pragma and entered only when the selected level
+// (hence the CPU) has it: extend_attention_cpu_supported().
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -54,31 +60,46 @@ constexpr int kKeyBlock = 64;    // keys per block: 4 vectors of 16 scores
 constexpr int kQueryBlock = 64;  // query rows per work item
 constexpr int kRowTile = 4;      // query rows per S microkernel call
 
-bool cpu_has_avx512bf16() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool has =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
+// The path the selected kernel level takes (dispatch.cpp), or kNone at the scalar level.
+enum class Path { kNone, kAvx2, kAvx512Bf16 };
+
+Path selected_path() {
+  const std::string isa = current_isa();
+  if (isa == "avx512bf16") return Path::kAvx512Bf16;
+  if (isa == "avx512" || isa == "avx2") return Path::kAvx2;
+  return Path::kNone;
 }
 
 bool head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+struct ItemArgs {
+  const uint16_t* q;  // row 0 of this head: q + row * q_row_stride
+  int64_t q_row_stride;
+  uint16_t* out;  // same layout as q
+  int64_t out_row_stride;
+  const uint32_t* kp;  // this KV head's packed keys / values
+  const uint32_t* vp;
+  int64_t rows;    // query rows of the request
+  int64_t keys;    // visible key count (all of them for non-causal)
+  int64_t q_pos0;  // position of query row 0 (causal)
+  bool causal;
+  float scale;  // softmax scale
+};
+
 }  // namespace
 }  // namespace sglk
 
-// The executor's AVX-512 fp32 helpers (v_exp: the Cephes expf polynomial), compiled for this
-// kernel's target as the ISA units compile them (isa_unit.h).
+// Packing (both paths) and the AVX2 path, with the executor's AVX2 fp32 helpers (vec.h level 1).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("avx2,fma")
 namespace sglk {
 namespace {
-#define SGLK_ISA_LEVEL 2
+namespace avx2 {
+#define SGLK_ISA_LEVEL 1
 #include "isa/vec.h"
 #undef SGLK_ISA_LEVEL
+}  // namespace avx2
 
 // Two bf16 values (raw bits) in one 32-bit lane, low half first (vdpbf16ps's pair order).
 inline uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
@@ -108,6 +129,184 @@ void pack_kv_head(const uint16_t* k, const uint16_t* v, int64_t k_row_stride, in
     for (int64_t c = 0; c < d; ++c) vb[t * d + c] = pair(v0[c], has1 ? v1[c] : uint16_t(0));
   }
 }
+
+namespace avx2 {
+
+// The two fp32 operand vectors of 8 packed bf16 pairs: lanes' low halves, then high halves.
+inline __m256 pair_lo(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+inline __m256 pair_hi(__m256i x) { return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536))); }
+
+inline float hmax(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+constexpr int kRowTile = 2;  // query rows per microkernel call: 8 accumulators + 4 broadcasts
+constexpr int kVecs = 4;     // 8-lane vectors per microkernel call (32 keys or 32 dims)
+
+// S[r][0..63] = q_r . k_j for NR rows (q: [rows][D] fp32, already scaled).
+template <int D, int NR>
+inline void qk_tile(const float* q, const uint32_t* kb, float* s) {
+  for (int h = 0; h < kKeyBlock; h += 8 * kVecs) {
+    __m256 acc[NR][kVecs];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int p = 0; p < D / 2; ++p) {
+      const uint32_t* kr = kb + p * kKeyBlock + h;
+      __m256 ql[NR], qh[NR];
+      for (int r = 0; r < NR; ++r) {
+        ql[r] = _mm256_broadcast_ss(q + r * D + 2 * p);
+        qh[r] = _mm256_broadcast_ss(q + r * D + 2 * p + 1);
+      }
+      for (int c = 0; c < kVecs; ++c) {
+        const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + 8 * c));
+        const __m256 lo = pair_lo(kv), hi = pair_hi(kv);
+        for (int r = 0; r < NR; ++r) {
+          acc[r][c] = _mm256_fmadd_ps(ql[r], lo, acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(qh[r], hi, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(s + r * kKeyBlock + h + 8 * c, acc[r][c]);
+  }
+}
+
+// O[r][0..D) += sum_j P[r][j] V[j] for NR rows (P: [rows][kKeyBlock] fp32).
+template <int D, int NR>
+inline void pv_tile(const float* pf, const uint32_t* vb, float* o) {
+  for (int d0 = 0; d0 < D; d0 += 8 * kVecs) {
+    __m256 acc[NR][kVecs];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm256_loadu_ps(o + r * D + d0 + 8 * c);
+    for (int t = 0; t < kKeyBlock / 2; ++t) {
+      __m256 pl[NR], ph[NR];
+      for (int r = 0; r < NR; ++r) {
+        pl[r] = _mm256_broadcast_ss(pf + r * kKeyBlock + 2 * t);
+        ph[r] = _mm256_broadcast_ss(pf + r * kKeyBlock + 2 * t + 1);
+      }
+      for (int c = 0; c < kVecs; ++c) {
+        const __m256i vv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * D + d0 + 8 * c));
+        const __m256 lo = pair_lo(vv), hi = pair_hi(vv);
+        for (int r = 0; r < NR; ++r) {
+          acc[r][c] = _mm256_fmadd_ps(pl[r], lo, acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(ph[r], hi, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(o + r * D + d0 + 8 * c, acc[r][c]);
+  }
+}
+
+// One work item: query rows [r_begin, r_end) of one head (the AVX-512 path's attend_rows with
+// fp32 operands; the softmax scale is folded into q).
+template <int D>
+void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_end) {
+  const int rows = int(r_end - r_begin);
+  alignas(64) float qf[kQueryBlock * D];
+  alignas(64) float s[kQueryBlock * kKeyBlock];
+  alignas(64) float o[kQueryBlock * D];
+  float m[kQueryBlock];
+  __m256 lsum[kQueryBlock];
+  const __m256 vscale = _mm256_set1_ps(a.scale);
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* qr = a.q + (r_begin + r) * a.q_row_stride;
+    for (int c = 0; c < D; c += 8) _mm256_storeu_ps(qf + r * D + c, _mm256_mul_ps(v_load_bf16(qr + c), vscale));
+    m[r] = -std::numeric_limits<float>::infinity();
+    lsum[r] = _mm256_setzero_ps();
+  }
+  std::memset(o, 0, sizeof(float) * rows * D);
+
+  const int64_t key_end = a.causal ? std::min(a.keys, a.q_pos0 + r_end) : a.keys;
+  const int64_t nblk = (key_end + kKeyBlock - 1) / kKeyBlock;
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  constexpr int kBlockVecs = kKeyBlock / 8;
+
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t j0 = b * kKeyBlock;
+    const uint32_t* kb = a.kp + b * (D / 2) * kKeyBlock;
+    const uint32_t* vb = a.vp + b * (kKeyBlock / 2) * D;
+    int r0 = 0;
+    for (; r0 + kRowTile <= rows; r0 += kRowTile) qk_tile<D, kRowTile>(qf + r0 * D, kb, s + r0 * kKeyBlock);
+    for (; r0 < rows; ++r0) qk_tile<D, 1>(qf + r0 * D, kb, s + r0 * kKeyBlock);
+    const int64_t first_limit = a.causal ? std::min(a.keys, a.q_pos0 + r_begin + 1) : a.keys;
+    const bool masked = j0 + kKeyBlock > first_limit;
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s + r * kKeyBlock;  // scores in, then P (fp32) out
+      const int64_t limit = a.causal ? std::min(a.keys, a.q_pos0 + r_begin + r + 1) : a.keys;
+      __m256 x[kBlockVecs], keep[kBlockVecs];
+      __m256 mx = ninf;
+      for (int c = 0; c < kBlockVecs; ++c) {
+        x[c] = _mm256_loadu_ps(sr + 8 * c);
+        if (masked) {
+          const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(int32_t(j0 + 8 * c)));
+          keep[c] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(limit)), key));
+          x[c] = _mm256_blendv_ps(ninf, x[c], keep[c]);
+        }
+        mx = _mm256_max_ps(mx, x[c]);
+      }
+      // Finite: every row sees key 0 (as in the AVX-512 path).
+      const float m_new = std::max(m[r], hmax(mx));
+      const float alpha = std::exp(m[r] - m_new);
+      const __m256 vm = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int c = 0; c < kBlockVecs; ++c) {
+        __m256 p = v_exp(_mm256_sub_ps(x[c], vm));
+        if (masked) p = _mm256_and_ps(p, keep[c]);  // v_exp clamps: masked keys need an exact 0
+        sum = _mm256_add_ps(sum, p);
+        _mm256_storeu_ps(sr + 8 * c, p);
+      }
+      lsum[r] = _mm256_fmadd_ps(lsum[r], _mm256_set1_ps(alpha), sum);
+      m[r] = m_new;
+      if (alpha != 1.0f) {
+        const __m256 va = _mm256_set1_ps(alpha);
+        float* orow = o + r * D;
+        for (int c = 0; c < D; c += 8) _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), va));
+      }
+    }
+    r0 = 0;
+    for (; r0 + kRowTile <= rows; r0 += kRowTile) pv_tile<D, kRowTile>(s + r0 * kKeyBlock, vb, o + r0 * D);
+    for (; r0 < rows; ++r0) pv_tile<D, 1>(s + r0 * kKeyBlock, vb, o + r0 * D);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float l = v_hsum(lsum[r]);
+    const __m256 vi = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    uint16_t* dst = a.out + (r_begin + r) * a.out_row_stride;
+    for (int c = 0; c < D; c += 8) v_store_bf16(dst + c, _mm256_mul_ps(_mm256_loadu_ps(o + r * D + c), vi));
+  }
+}
+
+template <int D>
+void run_items(std::vector<ItemArgs>& heads, int64_t rows) {
+  const int64_t nqb = (rows + kQueryBlock - 1) / kQueryBlock;
+  const int64_t items = int64_t(heads.size()) * nqb;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t qb = nqb - 1 - it / int64_t(heads.size());
+    const int64_t h = it % int64_t(heads.size());
+    // Qualified: ADL on ItemArgs would also find the AVX-512 attend_rows.
+    avx2::attend_rows<D>(heads[h], qb * kQueryBlock, std::min(rows, (qb + 1) * kQueryBlock));
+  }
+}
+
+}  // namespace avx2
+}  // namespace
+}  // namespace sglk
+#pragma GCC pop_options
+
+// The executor's AVX-512 fp32 helpers (v_exp: the Cephes expf polynomial), compiled for this
+// kernel's target as the ISA units compile them (isa_unit.h).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace sglk {
+namespace {
+#define SGLK_ISA_LEVEL 2
+#include "isa/vec.h"
+#undef SGLK_ISA_LEVEL
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
@@ -159,20 +358,6 @@ inline void pv_tile(const uint32_t* pp, int rows, const uint32_t* vb, float* o) 
       for (int c = 0; c < kVec; ++c) _mm512_storeu_ps(o + (r0 + r) * D + 16 * c, acc[r][c]);
   }
 }
-
-struct ItemArgs {
-  const uint16_t* q;  // row 0 of this head: q + row * q_row_stride
-  int64_t q_row_stride;
-  uint16_t* out;  // same layout as q
-  int64_t out_row_stride;
-  const uint32_t* kp;  // this KV head's packed keys / values
-  const uint32_t* vp;
-  int64_t rows;    // query rows of the request
-  int64_t keys;    // visible key count (all of them for non-causal)
-  int64_t q_pos0;  // position of query row 0 (causal)
-  bool causal;
-  float scale;  // softmax scale
-};
 
 // One work item: query rows [r_begin, r_end) of one head.
 template <int D>
@@ -316,7 +501,9 @@ void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
               " KV heads");
   TORCH_CHECK(!causal || (q_pos0 >= 0 && q_pos0 + rows <= keys), "extend_attention_cpu: causal rows at positions [",
               q_pos0, ", ", q_pos0 + rows, ") need that many keys, got ", keys);
-  TORCH_CHECK(cpu_has_avx512bf16(), "extend_attention_cpu needs AVX-512 BF16 (check extend_attention_cpu_supported)");
+  const Path path = selected_path();
+  TORCH_CHECK(path != Path::kNone, "extend_attention_cpu needs the avx2 kernel level or better, the selected one is ",
+              current_isa(), " (check extend_attention_cpu_supported)");
   if (rows == 0) return;
   TORCH_CHECK(keys > 0, "extend_attention_cpu: no keys");
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -351,21 +538,28 @@ void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
     a.causal = causal;
     a.scale = float(scale);
   }
+  const bool bf16 = path == Path::kAvx512Bf16;
   switch (d) {
     case 64:
-      run_items<64>(heads, rows);
+      bf16 ? run_items<64>(heads, rows) : avx2::run_items<64>(heads, rows);
       break;
     case 128:
-      run_items<128>(heads, rows);
+      bf16 ? run_items<128>(heads, rows) : avx2::run_items<128>(heads, rows);
       break;
     default:
-      run_items<256>(heads, rows);
+      bf16 ? run_items<256>(heads, rows) : avx2::run_items<256>(heads, rows);
       break;
   }
 #endif
 }
 
-bool extend_attention_cpu_supported(int64_t head_dim) { return cpu_has_avx512bf16() && head_dim_supported(head_dim); }
+bool extend_attention_cpu_supported(int64_t head_dim) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return selected_path() != Path::kNone && head_dim_supported(head_dim);
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 }  // namespace sglk

@@ -477,10 +477,11 @@ def set_cpu_isa(name: str) -> str:
 
 
 def extend_attention_supported(head_dim: int) -> bool:
-    """Whether :func:`extend_attention` runs here: the CPU has AVX-512 BF16, the selected kernel
-    level (:func:`cpu_isa`, capped by ``SGLANG_CPU_KERNEL_ISA``) is ``"avx512bf16"`` and
-    ``head_dim`` is 64, 128 or 256."""
-    return _ops.cpu_isa() == "avx512bf16" and _ops.extend_attention_cpu_supported(head_dim)
+    """Whether :func:`extend_attention` runs here: the selected kernel level (:func:`cpu_isa`,
+    capped by ``SGLANG_CPU_KERNEL_ISA``) is ``"avx512bf16"`` (the ``vdpbf16ps`` path) or
+    ``"avx512"`` / ``"avx2"`` (the AVX2 + FMA fp32 path), not ``"scalar"``, and ``head_dim``
+    is 64, 128 or 256."""
+    return _ops.extend_attention_cpu_supported(head_dim)
 
 
 def extend_attention(
@@ -508,10 +509,11 @@ def extend_attention(
         kv_index: ``[keys]`` int32 / int64, key j's row of k / v (a request's
             ``req_to_token`` slots), or None (key j is row j). Slots outside ``k``'s rows raise.
 
-    FlashAttention-2's online softmax (Dao, 2023) with ``vdpbf16ps`` dot products, fp32
-    softmax and accumulation, P rounded to bf16 before P V. Raises ``RuntimeError`` for other
-    dtypes, shapes or head dims, or a CPU without AVX-512 BF16 (see
-    :func:`extend_attention_supported`). Source: ``sgl-kernel/csrc/cpu/extend_attention.cpp``.
+    FlashAttention-2's online softmax (Dao, 2023), fp32 softmax and accumulation: at the
+    ``avx512bf16`` level with ``vdpbf16ps`` dot products and P rounded to bf16 before P V, at
+    ``avx512`` / ``avx2`` with AVX2 FMA fp32 products (bf16 operands widened in registers, P
+    kept fp32). Raises ``RuntimeError`` for other dtypes, shapes or head dims, or at the
+    ``scalar`` level (see :func:`extend_attention_supported`). Source: ``sgl-kernel/csrc/cpu/extend_attention.cpp``.
     """
     _ops.extend_attention_cpu(q, k, v, out, q_pos0, scale, causal, kv_index)
 

@@ -30,8 +30,8 @@ cross attention or logit cap. Per pass: a decode batch of 1 to ``max_rows()`` ro
 (``SGLANG_CPU_DENSE_LINEAR_MAX_ROWS``), the torch_native backend, no expert distribution
 recording or routed-expert capture, no two-batch overlap or LoRA, a bf16 KV cache. The
 attention is the one the module path's ``forward_decode`` would pick (patch 0005): the fork's
-flash kernel reading each request's KV slots in place on a CPU with AVX-512 BF16, else
-upstream's ``forward_decode`` itself.
+flash kernel reading each request's KV slots in place at a kernel level of avx2 or better,
+else upstream's ``forward_decode`` itself.
 """
 
 from __future__ import annotations

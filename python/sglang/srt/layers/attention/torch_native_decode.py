@@ -14,10 +14,10 @@ ms each at ~200 keys under load: issue 18's profile).
 
 It takes a call only where the kernel computes what upstream does: self-attention without an
 encoder offset or a sliding window, bf16 q / k / v of one head dim the kernel has (64, 128,
-256) on a CPU with AVX-512 BF16 (``torch_native_extend.extend_kernel_supported``); otherwise it
-returns False and upstream's loop runs. Numerics: fp32 online softmax and accumulation, P
-rounded to bf16 before P V (the kernel's contract); SDPA's CPU flash kernel keeps P in fp32, so
-outputs differ in the last bf16 bits.
+256) at a kernel level of avx2 or better (``torch_native_extend.extend_kernel_supported``);
+otherwise it returns False and upstream's loop runs. Numerics: fp32 online softmax and
+accumulation; at the avx512bf16 level P is rounded to bf16 before P V (SDPA's CPU flash kernel
+keeps P in fp32, as the avx2 path does), so outputs differ in the last bf16 bits.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ instead of ``O(n * (p + n))`` -- minutes per layer stack for agent sessions with
   every new row sees whole, and the new tokens' causal square are two flash calls whose
   results are merged exactly through their log-sum-exps (a masked call over prefix + new
   keys reads a rows x keys mask as well as doing the same arithmetic);
-* where the CPU has AVX-512 BF16 and q / k / v are bfloat16 with a head dim of 64, 128 or 256,
-  runs those layers (and non-causal ones without a window) in one call of our flash kernel
-  instead (``sgl_kernel_fork.extend_attention``: GQA without repeating the KV heads, the
-  causal diagonal masked in place; about twice the throughput of the two ATen calls here,
-  ``benchmark/attention/bench_torch_native_extend.py``).
+* where the kernel level is avx2 or better and q / k / v are bfloat16 with a head dim of 64,
+  128 or 256, runs those layers (and non-causal ones without a window) in one call of our
+  flash kernel instead (``sgl_kernel_fork.extend_attention``: GQA without repeating the KV
+  heads, the causal diagonal masked in place; ``benchmark/attention/bench_torch_native_extend.py``
+  times it against the two ATen calls).
 """
 
 from __future__ import annotations
@@ -223,8 +223,9 @@ def _causal_with_prefix(
 
 def extend_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether our CPU flash kernel (``sgl_kernel_fork.extend_attention``) takes these inputs:
-    CPU bfloat16 q / k / v with one head dim (64, 128 or 256) for all three, on a CPU (and a
-    selected kernel level) with AVX-512 BF16. Shapes: [..., dim]."""
+    CPU bfloat16 q / k / v with one head dim (64, 128 or 256) for all three, at a selected
+    kernel level of avx2 or better (``sgl_kernel_fork.extend_attention_supported``). Shapes:
+    [..., dim]."""
     return (
         _fork_ops is not None
         and q.device.type == "cpu"
