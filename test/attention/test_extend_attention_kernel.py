@@ -15,6 +15,7 @@ with ``set_cpu_isa``; the fallback test runs everywhere.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -231,3 +232,23 @@ def test_scalar_kernel_level_keeps_aten():
         torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
     finally:
         sgl_kernel_fork.set_cpu_isa(before)
+
+
+def test_off_switch_keeps_aten():
+    """``SGLANG_CPU_EXTEND_ATTENTION=0`` (read at import) turns the kernel off for every layer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from sglang.srt.layers.attention import torch_native_extend as t; "
+        "x = torch.zeros(1, 1, 64, dtype=torch.bfloat16); "
+        "print(t.extend_kernel_supported(x, x, x))"
+    )
+    env = {**os.environ, tne.KERNEL_OFF_ENV: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    if LEVELS:  # and without the switch the same probe takes the kernel
+        env.pop(tne.KERNEL_OFF_ENV)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]

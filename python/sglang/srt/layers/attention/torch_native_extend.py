@@ -47,6 +47,11 @@ try:  # our CPU operator package (always built in this tree; absent on a bare CU
 except ImportError:  # pragma: no cover - exercised only without the package
     _fork_ops = None
 
+# Off switch of our flash kernel (extend and decode): ``SGLANG_CPU_EXTEND_ATTENTION=0`` in the
+# server's environment keeps ATen's SDPA paths (for comparisons; read once, at import).
+KERNEL_OFF_ENV = "SGLANG_CPU_EXTEND_ATTENTION"
+_KERNEL_ON = os.environ.get(KERNEL_OFF_ENV) != "0"
+
 # Upper bound on the elements of the largest matrix one SDPA call builds: the
 # query_rows x keys mask for fused kernels (CPU flash keeps scores in tiles),
 # heads x query_rows x keys scores for the math fallback.
@@ -224,10 +229,11 @@ def _causal_with_prefix(
 def extend_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether our CPU flash kernel (``sgl_kernel_fork.extend_attention``) takes these inputs:
     CPU bfloat16 q / k / v with one head dim (64, 128 or 256) for all three, at a selected
-    kernel level of avx2 or better (``sgl_kernel_fork.extend_attention_supported``). Shapes:
-    [..., dim]."""
+    kernel level of avx2 or better (``sgl_kernel_fork.extend_attention_supported``), and not
+    switched off (:data:`KERNEL_OFF_ENV`). Shapes: [..., dim]."""
     return (
-        _fork_ops is not None
+        _KERNEL_ON
+        and _fork_ops is not None
         and q.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype == torch.bfloat16
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
