@@ -146,6 +146,25 @@ inline float hmax(__m256 x) {
 constexpr int kRowTile = 2;  // query rows per microkernel call: 8 accumulators + 4 broadcasts
 constexpr int kVecs = 4;     // 8-lane vectors per microkernel call (32 keys or 32 dims)
 
+// One step of both products: acc[r][c] += a[r][0] * lo(pairs[c]) + a[r][1] * hi(pairs[c]) for NR
+// rows (row r's two fp32 operands at a + r * a_stride) and kVecs vectors of 8 packed pairs.
+template <int NR>
+inline void pair_step(const float* a, int a_stride, const uint32_t* pairs, __m256 (&acc)[NR][kVecs]) {
+  __m256 al[NR], ah[NR];
+  for (int r = 0; r < NR; ++r) {
+    al[r] = _mm256_broadcast_ss(a + r * a_stride);
+    ah[r] = _mm256_broadcast_ss(a + r * a_stride + 1);
+  }
+  for (int c = 0; c < kVecs; ++c) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * c));
+    const __m256 lo = pair_lo(x), hi = pair_hi(x);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][c] = _mm256_fmadd_ps(al[r], lo, acc[r][c]);
+      acc[r][c] = _mm256_fmadd_ps(ah[r], hi, acc[r][c]);
+    }
+  }
+}
+
 // S[r][0..63] = q_r . k_j for NR rows (q: [rows][D] fp32, already scaled).
 template <int D, int NR>
 inline void qk_tile(const float* q, const uint32_t* kb, float* s) {
@@ -153,22 +172,7 @@ inline void qk_tile(const float* q, const uint32_t* kb, float* s) {
     __m256 acc[NR][kVecs];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int p = 0; p < D / 2; ++p) {
-      const uint32_t* kr = kb + p * kKeyBlock + h;
-      __m256 ql[NR], qh[NR];
-      for (int r = 0; r < NR; ++r) {
-        ql[r] = _mm256_broadcast_ss(q + r * D + 2 * p);
-        qh[r] = _mm256_broadcast_ss(q + r * D + 2 * p + 1);
-      }
-      for (int c = 0; c < kVecs; ++c) {
-        const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + 8 * c));
-        const __m256 lo = pair_lo(kv), hi = pair_hi(kv);
-        for (int r = 0; r < NR; ++r) {
-          acc[r][c] = _mm256_fmadd_ps(ql[r], lo, acc[r][c]);
-          acc[r][c] = _mm256_fmadd_ps(qh[r], hi, acc[r][c]);
-        }
-      }
-    }
+    for (int p = 0; p < D / 2; ++p) pair_step<NR>(q + 2 * p, D, kb + p * kKeyBlock + h, acc);
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(s + r * kKeyBlock + h + 8 * c, acc[r][c]);
   }
@@ -181,21 +185,7 @@ inline void pv_tile(const float* pf, const uint32_t* vb, float* o) {
     __m256 acc[NR][kVecs];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm256_loadu_ps(o + r * D + d0 + 8 * c);
-    for (int t = 0; t < kKeyBlock / 2; ++t) {
-      __m256 pl[NR], ph[NR];
-      for (int r = 0; r < NR; ++r) {
-        pl[r] = _mm256_broadcast_ss(pf + r * kKeyBlock + 2 * t);
-        ph[r] = _mm256_broadcast_ss(pf + r * kKeyBlock + 2 * t + 1);
-      }
-      for (int c = 0; c < kVecs; ++c) {
-        const __m256i vv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * D + d0 + 8 * c));
-        const __m256 lo = pair_lo(vv), hi = pair_hi(vv);
-        for (int r = 0; r < NR; ++r) {
-          acc[r][c] = _mm256_fmadd_ps(pl[r], lo, acc[r][c]);
-          acc[r][c] = _mm256_fmadd_ps(ph[r], hi, acc[r][c]);
-        }
-      }
-    }
+    for (int t = 0; t < kKeyBlock / 2; ++t) pair_step<NR>(pf + 2 * t, kKeyBlock, vb + t * D + d0, acc);
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(o + r * D + d0 + 8 * c, acc[r][c]);
   }
