@@ -87,6 +87,22 @@ struct ItemArgs {
   float scale;  // softmax scale
 };
 
+// One path's attend_rows: query rows [r_begin, r_end) of one head.
+using AttendRows = void (*)(const ItemArgs&, int64_t, int64_t);
+
+// Every (head, block of kQueryBlock query rows) item on the OpenMP pool. Later query blocks see
+// more keys (causal): they are taken first, dynamically, for balance.
+void run_items(const std::vector<ItemArgs>& heads, int64_t rows, AttendRows attend) {
+  const int64_t nqb = (rows + kQueryBlock - 1) / kQueryBlock;
+  const int64_t items = int64_t(heads.size()) * nqb;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t qb = nqb - 1 - it / int64_t(heads.size());
+    const int64_t h = it % int64_t(heads.size());
+    attend(heads[size_t(h)], qb * kQueryBlock, std::min(rows, (qb + 1) * kQueryBlock));
+  }
+}
+
 }  // namespace
 }  // namespace sglk
 
@@ -270,19 +286,6 @@ void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_end) {
   }
 }
 
-template <int D>
-void run_items(std::vector<ItemArgs>& heads, int64_t rows) {
-  const int64_t nqb = (rows + kQueryBlock - 1) / kQueryBlock;
-  const int64_t items = int64_t(heads.size()) * nqb;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t qb = nqb - 1 - it / int64_t(heads.size());
-    const int64_t h = it % int64_t(heads.size());
-    // Qualified: ADL on ItemArgs would also find the AVX-512 attend_rows.
-    avx2::attend_rows<D>(heads[h], qb * kQueryBlock, std::min(rows, (qb + 1) * kQueryBlock));
-  }
-}
-
 }  // namespace avx2
 }  // namespace
 }  // namespace sglk
@@ -437,18 +440,6 @@ void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_end) {
   }
 }
 
-template <int D>
-void run_items(std::vector<ItemArgs>& heads, int64_t rows) {
-  const int64_t nqb = (rows + kQueryBlock - 1) / kQueryBlock;
-  const int64_t items = int64_t(heads.size()) * nqb;
-  // Later query blocks see more keys (causal): take them first, dynamically, for balance.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t qb = nqb - 1 - it / int64_t(heads.size());
-    const int64_t h = it % int64_t(heads.size());
-    attend_rows<D>(heads[h], qb * kQueryBlock, std::min(rows, (qb + 1) * kQueryBlock));
-  }
-}
 }  // namespace
 }  // namespace sglk
 #pragma GCC pop_options
@@ -531,13 +522,13 @@ void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
   const bool bf16 = path == Path::kAvx512Bf16;
   switch (d) {
     case 64:
-      bf16 ? run_items<64>(heads, rows) : avx2::run_items<64>(heads, rows);
+      run_items(heads, rows, bf16 ? &attend_rows<64> : &avx2::attend_rows<64>);
       break;
     case 128:
-      bf16 ? run_items<128>(heads, rows) : avx2::run_items<128>(heads, rows);
+      run_items(heads, rows, bf16 ? &attend_rows<128> : &avx2::attend_rows<128>);
       break;
     default:
-      bf16 ? run_items<256>(heads, rows) : avx2::run_items<256>(heads, rows);
+      run_items(heads, rows, bf16 ? &attend_rows<256> : &avx2::attend_rows<256>);
       break;
   }
 #endif
