@@ -36,19 +36,8 @@ def _has_level(name: str) -> bool:
 
 
 # The kernel's two paths; a CPU with neither (not x86-64 with AVX2) generates no kernel test.
+# The `level` fixture (conftest.py) runs a test at each of them.
 LEVELS = [name for name in ("avx512bf16", "avx512", "avx2") if _has_level(name)]
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    """Runs the test at one kernel level (one path of the kernel), then restores the level."""
-    before = sgl_kernel_fork.cpu_isa()
-    sgl_kernel_fork.set_cpu_isa(request.param)
-    assert sgl_kernel_fork.extend_attention_supported(64)
-    try:
-        yield request.param
-    finally:
-        sgl_kernel_fork.set_cpu_isa(before)
 
 
 # bf16 inputs, fp32 softmax, P rounded to bf16, bf16 output (|out| <~ 1: half an ulp 2e-3).

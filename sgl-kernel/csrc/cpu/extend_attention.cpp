@@ -25,6 +25,8 @@
 // path reads the same packs: a lane's high bf16 is its fp32 value with the low half masked off,
 // the low bf16 is the lane shifted left by 16, so each pair load gives two fp32 operand vectors
 // in one integer op each (no shuffles).
+// Calls of at most kDecodeMaxRows (4) query rows (decode) skip the repack: decode_attention.cpp
+// reads K / V where they lie, in (row, KV head, key chunk) items merged per row and head.
 // Causal masking (bottom-right aligned: row i sees keys [0, q_pos0 + i]) is applied only in the
 // key blocks a query block's diagonal crosses; blocks past the diagonal are skipped.
 //
@@ -47,6 +49,7 @@
 #endif
 
 #include "common.h"
+#include "decode_attention.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12 reports its own _mm512_undefined_* helpers inside the reduce intrinsics (as isa_unit.h).
@@ -488,6 +491,32 @@ void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
   if (rows == 0) return;
   TORCH_CHECK(keys > 0, "extend_attention_cpu: no keys");
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (rows <= kDecodeMaxRows) {  // decode: read K / V in place instead of repacking them
+    DecodeAttnArgs da;
+    da.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+    da.q_row = q.stride(0);
+    da.q_head = q.stride(1);
+    da.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    da.out_row = out.stride(0);
+    da.out_head = out.stride(1);
+    da.k = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+    da.k_row = k.stride(0);
+    da.k_head = k.stride(1);
+    da.v = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+    da.v_row = v.stride(0);
+    da.v_head = v.stride(1);
+    da.idx = indexed ? idx.data_ptr<int64_t>() : nullptr;
+    da.rows = rows;
+    da.heads = hq;
+    da.kv_heads = hkv;
+    da.dim = d;
+    da.keys = keys;
+    da.q_pos0 = causal ? q_pos0 : 0;
+    da.causal = causal;
+    da.scale = float(scale);
+    decode_attention(da, path == Path::kAvx512Bf16);
+    return;
+  }
   const int64_t nblk = (keys + kKeyBlock - 1) / kKeyBlock;
   const int64_t kv_head_words = nblk * kKeyBlock * d / 2;  // uint32 pairs per KV head (K or V)
   // Not value-initialized: pack_kv_head writes every word (zeros past the last key).

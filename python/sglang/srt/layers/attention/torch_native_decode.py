@@ -7,7 +7,9 @@ layer for one query row of 32 heads against ~100 keys of the Qwen3-30B-A3B slice
 profile, 13% of the decode step), most of it ATen's dispatch and GQA handling around a tiny
 product. :func:`decode_attention` runs the same rows in ``sgl_kernel_fork.extend_attention``
 (the kernel the extend path already uses, ``torch_native_extend.py``): one query row per
-request, non-causal against all the request's keys, GQA without repeating the KV heads. The
+request, non-causal against all the request's keys, GQA without repeating the KV heads; for
+such calls of at most 4 rows the kernel takes its decode path (``decode_attention.cpp``: no
+repack of the keys, items of 256 keys merged per head; ``bench_decode_attention.py``). The
 kernel reads the request's keys from the KV pool in place (``kv_index``: its ``req_to_token``
 slots), not from a gathered copy (``k_cache[tokens]`` was two ``aten::index`` per layer, ~0.2
 ms each at ~200 keys under load: issue 18's profile).
@@ -15,7 +17,7 @@ ms each at ~200 keys under load: issue 18's profile).
 It takes a call only where the kernel computes what upstream does: self-attention without an
 encoder offset or a sliding window, bf16 q / k / v of one head dim the kernel has (64, 128,
 256) at a kernel level of avx2 or better (``torch_native_extend.extend_kernel_supported``);
-otherwise it returns False and upstream's loop runs. Numerics: fp32 online softmax and
+otherwise it returns False and upstream's loop runs. Numerics: fp32 softmax and
 accumulation; at the avx512bf16 level P is rounded to bf16 before P V (SDPA's CPU flash kernel
 keeps P in fp32, as the avx2 path does), so outputs differ in the last bf16 bits.
 """
