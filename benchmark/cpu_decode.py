@@ -15,6 +15,8 @@ each a server started with these environment variables:
   upstream's torch ops: the fork before patch 0006);
 * ``modules``: ``fork`` with ``SGLANG_CPU_DECODE_LAYERS=0`` (each decode pass through upstream's
   layer loop and modules: the fork before patch 0007);
+* ``aten_attn``: ``fork`` with ``SGLANG_CPU_EXTEND_ATTENTION=0`` (extend and decode attention on
+  upstream's ATen SDPA paths; compare at a long ``--prompt-len``);
 * ``fork``: everything on (executor, decode linears, fused norms, the flat decode layers,
   ``OMP_WAIT_POLICY=PASSIVE``: serve.sh).
 
@@ -80,6 +82,7 @@ VARIANTS = {
     "linears": {**BASE_ENV, "SGLANG_CPU_DENSE_LINEAR_MAX_ROWS": "4"},
     "unfused": {"SGLANG_CPU_FUSED_NORM": "0"},
     "modules": {"SGLANG_CPU_DECODE_LAYERS": "0"},
+    "aten_attn": {"SGLANG_CPU_EXTEND_ATTENTION": "0"},
     "fork": {},
 }
 # Small KV and state pools: the benchmark runs one request at a time.
