@@ -61,10 +61,11 @@ inline const uint16_t* value_row(const DecodeAttnArgs& a, int64_t h, int64_t j) 
   return a.v + (a.idx != nullptr ? a.idx[j] : j) * a.v_row + h * a.v_head;
 }
 
-// Software prefetch of key / value rows [j, j_end) of KV head h (a request's slots are
-// scattered over the pool, so the hardware prefetcher does not see the next row coming). The
-// S loop prefetches the next keys into L1 and the current keys' value rows into L2, so P V
-// reads the chunk's values (64 KB at dim 128) from L2.
+// Software prefetch of key / value rows [j, j_end) of KV head h: a request's slots may be
+// scattered over the pool, where the hardware prefetcher does not see the next row coming. The
+// S loop prefetches the next keys into L1 and the current keys' value rows into L2 (a chunk's
+// values are 64 KB at dim 128). On the 2-core EPYC of benchmark/RESULTS.md it made no
+// difference beyond run-to-run noise, contiguous or scattered slots; remove it if no CPU shows one.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 template <int Hint>
 inline void prefetch_rows(const DecodeAttnArgs& a, const uint16_t* base, int64_t row_stride, int64_t h, int64_t j,
