@@ -17,7 +17,13 @@ import math
 
 import pytest
 import torch
-from test_extend_attention_kernel import LEVELS, TOL, rand, ref_attention
+from test_extend_attention_kernel import (
+    LEVELS,
+    TOL,
+    outputs_at_thread_counts,
+    rand,
+    ref_attention,
+)
 
 import sgl_kernel_fork
 
@@ -79,16 +85,7 @@ def test_decode_thread_count_does_not_change_results(level):
     q = rand(2, 16, 128, seed=7)
     k = rand(2100, 2, 128, seed=8)
     v = rand(2100, 2, 128, seed=9)
-    outs = []
-    before = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            out = torch.empty_like(q)
-            sgl_kernel_fork.extend_attention(q, k, v, out, 2098, 0.09, True)
-            outs.append(out)
-    finally:
-        torch.set_num_threads(before)
+    outs = outputs_at_thread_counts(q, k, v, 2098, 0.09, True)
     assert torch.equal(outs[0], outs[1])
 
 

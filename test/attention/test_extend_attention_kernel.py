@@ -127,20 +127,26 @@ def test_kv_index_reads_the_pool_in_place(level, index_dtype, rows, causal):
         sgl_kernel_fork.extend_attention(q, pool_k, pool_v, got, q_pos0, 0.1, causal, kv_index=bad)
 
 
+def outputs_at_thread_counts(q, k, v, q_pos0, scale, causal, counts=(1, 2)):
+    """The op's output at each torch thread count of ``counts`` (the count restored after)."""
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            out = torch.empty_like(q)
+            sgl_kernel_fork.extend_attention(q, k, v, out, q_pos0, scale, causal)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    return outs
+
+
 def test_thread_count_does_not_change_results(level):
     q = rand(150, 4, 64, seed=7)
     k = rand(2150, 2, 64, seed=8)
     v = rand(2150, 2, 64, seed=9)
-    outs = []
-    before = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            out = torch.empty_like(q)
-            sgl_kernel_fork.extend_attention(q, k, v, out, 2000, 0.125, True)
-            outs.append(out)
-    finally:
-        torch.set_num_threads(before)
+    outs = outputs_at_thread_counts(q, k, v, 2000, 0.125, True)
     assert torch.equal(outs[0], outs[1])
 
 
