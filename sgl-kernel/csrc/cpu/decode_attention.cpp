@@ -61,23 +61,6 @@ inline const uint16_t* value_row(const DecodeAttnArgs& a, int64_t h, int64_t j) 
   return a.v + (a.idx != nullptr ? a.idx[j] : j) * a.v_row + h * a.v_head;
 }
 
-// Software prefetch of key / value rows [j, j_end) of KV head h: a request's slots may be
-// scattered over the pool, where the hardware prefetcher does not see the next row coming. The
-// S loop prefetches the next keys into L1 and the current keys' value rows into L2 (a chunk's
-// values are 64 KB at dim 128). On the 2-core EPYC of benchmark/RESULTS.md it made no
-// difference beyond run-to-run noise, contiguous or scattered slots; remove it if no CPU shows one.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-template <int Hint>
-inline void prefetch_rows(const DecodeAttnArgs& a, const uint16_t* base, int64_t row_stride, int64_t h, int64_t j,
-                          int64_t j_end) {
-  const int64_t head = base == a.k ? a.k_head : a.v_head;
-  for (; j < j_end; ++j) {
-    const char* row = reinterpret_cast<const char*>(base + (a.idx != nullptr ? a.idx[j] : j) * row_stride + h * head);
-    for (int64_t b = 0; b < a.dim * 2; b += 64) _mm_prefetch(row + b, static_cast<_mm_hint>(Hint));
-  }
-}
-#endif
-
 // One item's result per head g of the item: m[g] (max scaled score), l[g] (sum of P, fp32) and
 // o[g * D + d] (P V, not yet divided by l), all fp32, dims in natural order.
 using ItemFn = void (*)(const DecodeAttnArgs&, int64_t r, int64_t h, int64_t j0, int64_t j1, float* m, float* l,
@@ -136,8 +119,6 @@ void item(const DecodeAttnArgs& a, int64_t r, int64_t h, int64_t j0, int64_t j1,
   for (int t0 = 0; t0 < n; t0 += 8) {
     const uint16_t* kr[8];
     for (int t = 0; t < 8; ++t) kr[t] = key_row(a, h, j0 + std::min(t0 + t, n - 1));
-    prefetch_rows<_MM_HINT_T0>(a, a.k, a.k_row, h, j0 + std::min(t0 + 8, n), j0 + std::min(t0 + 16, n));
-    prefetch_rows<_MM_HINT_T1>(a, a.v, a.v_row, h, j0 + t0, j0 + std::min(t0 + 8, n));  // for P V
     for (int g = 0; g < G; ++g) {
       __m256 sc[8];
       for (int t = 0; t < 8; ++t) sc[t] = _mm256_setzero_ps();
@@ -258,8 +239,6 @@ void item(const DecodeAttnArgs& a, int64_t r, int64_t h, int64_t j0, int64_t j1,
   for (int t0 = 0; t0 < n; t0 += 16) {
     const uint16_t* kr[16];
     for (int t = 0; t < 16; ++t) kr[t] = key_row(a, h, j0 + std::min(t0 + t, n - 1));
-    prefetch_rows<_MM_HINT_T0>(a, a.k, a.k_row, h, j0 + std::min(t0 + 16, n), j0 + std::min(t0 + 32, n));
-    prefetch_rows<_MM_HINT_T1>(a, a.v, a.v_row, h, j0 + t0, j0 + std::min(t0 + 16, n));  // for P V
     for (int g = 0; g < G; ++g) {
       const uint16_t* qg = a.q + r * a.q_row + (h * G + g) * a.q_head;
       __m512 sc[16];
@@ -371,15 +350,10 @@ void decode_attention(const DecodeAttnArgs& a, bool use_bf16) {
   std::vector<float> parts(size_t(items * part));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t it = 0; it < items; ++it) {
-    // KV heads fastest: the threads read the heads of one chunk together (whole slot rows).
     const int64_t r = it / (a.kv_heads * chunks), c = (it / a.kv_heads) % chunks, h = it % a.kv_heads;
     const int64_t j0 = c * kChunk, j1 = std::min(row_keys(a, r), j0 + kChunk);
+    if (j0 >= j1) continue;  // a causal row that does not reach this chunk (never merged)
     float* p = parts.data() + ((r * a.kv_heads + h) * chunks + c) * part;
-    if (j0 >= j1) {  // a causal row that does not reach this chunk
-      std::fill(p, p + G, -std::numeric_limits<float>::infinity());
-      std::fill(p + G, p + 2 * G, 0.0f);
-      continue;
-    }
     fn(a, r, h, j0, j1, p, p + G, p + 2 * G);
   }
   // Merge each (row, head)'s chunks in chunk order.
@@ -389,15 +363,15 @@ void decode_attention(const DecodeAttnArgs& a, bool use_bf16) {
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / a.heads, head = rh % a.heads, h = head / G, g = head % G;
       const float* first = parts.data() + (r * a.kv_heads + h) * chunks * part;
+      // The row's chunks (>= 1: every row sees key 0); later ones hold no keys of it.
+      const int64_t row_chunks = (row_keys(a, r) + kChunk - 1) / kChunk;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c)
-        if (first[c * part + G + g] > 0.0f) mx = std::max(mx, first[c * part + g]);
+      for (int64_t c = 0; c < row_chunks; ++c) mx = std::max(mx, first[c * part + g]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       float lsum = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t c = 0; c < row_chunks; ++c) {
         const float* p = first + c * part;
-        if (!(p[G + g] > 0.0f)) continue;
-        const float w = chunks == 1 ? 1.0f : std::exp(p[g] - mx);
+        const float w = std::exp(p[g] - mx);  // exactly 1 for the chunk holding the max
         lsum += w * p[G + g];
         const float* o = p + 2 * G + g * D;
         for (int64_t d = 0; d < D; ++d) acc[size_t(d)] += w * o[d];
