@@ -42,6 +42,11 @@ def parse_args(argv=None):
     p.add_argument("--model-path", type=Path, default=MODEL)
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled")
     p.add_argument("--top", type=int, default=25, help="op names printed")
+    p.add_argument(
+        "--with-stack",
+        action="store_true",
+        help="record Python frames too (slower steps; for a self-time breakdown of the trace)",
+    )
     return p.parse_args(argv)
 
 
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
                 "output_dir": str(out),
                 "num_steps": args.steps,
                 "activities": ["CPU"],
-                "with_stack": False,
+                "with_stack": args.with_stack,
                 "record_shapes": False,
             },
             timeout=600,

@@ -129,7 +129,7 @@ int64_t scratch_budget() {
 // less) and items must stay plentiful (a top-8 decode of 9.4 MB experts makes ~150 items
 // of 512 KB), so the size steps down: 512 KB up to 4 threads, 256 KB at 8, 128 KB from 16.
 int64_t item_bytes() {
-  const int64_t n = std::max(1, ExpertPool::get().threads());
+  const int64_t n = std::max(1, ExpertPool::get().parallelism());
   return std::max<int64_t>(128 << 10, (int64_t{512} << 10) * 4 / std::max<int64_t>(4, n));
 }
 constexpr int64_t kColBlock = 512;  // out columns per phase-3 item
@@ -791,7 +791,7 @@ double expert_pool_read_bandwidth(const at::Tensor& buffer, int64_t passes) {
   const int64_t skip = (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
   const int64_t bytes = buffer.nbytes() - skip;
   ExpertPool& pool = ExpertPool::get();
-  const int nw = pool.threads();
+  const int nw = pool.parallelism();
   TORCH_CHECK(bytes >= 256 * nw, "expert_pool_read_bandwidth: buffer too small (", buffer.nbytes(), " bytes)");
   auto job = std::make_shared<ReadJob>(p + skip, bytes, passes, nw, &cpu_executor_kernels());
   const auto t0 = std::chrono::steady_clock::now();

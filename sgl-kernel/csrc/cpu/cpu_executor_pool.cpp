@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -85,10 +86,17 @@ bool pin_enabled() {
   return !(e && std::string(e) == "0");
 }
 
+// How long an idle worker (and a waiter with nothing left to take) spins before it sleeps.
+// Long enough to bridge the gaps between the ops of a decode step (a sleeping worker takes
+// tens of us to wake, each op); a worker spins on its own core, since by default the pool
+// leaves one core to the waiting thread. Chosen by measurement: benchmark/RESULTS.md,
+// cpu_decode ("The waiting thread works").
+constexpr long kDefaultSpinUs = 300;
+
 int64_t spin_ns() {
   static const int64_t ns = [] {
     const char* e = std::getenv("SGLANG_CPU_EXPERT_SPIN_US");
-    const long us = e && *e ? std::strtol(e, nullptr, 10) : 20;
+    const long us = e && *e ? std::strtol(e, nullptr, 10) : kDefaultSpinUs;
     return static_cast<int64_t>(std::max(0L, us)) * 1000;
   }();
   return ns;
@@ -109,6 +117,22 @@ bool spin_for(P pred) {
     if (std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count() > limit) return pred();
   }
 }
+
+// Workers by default: one per physical core but one, whose share the thread waiting on a job
+// takes (ExpertPool::wait works on the running job); one at least.
+int default_workers(const Topology& t) { return std::max(1, static_cast<int>(t.cores.size()) - 1); }
+
+// fn(i) for each item, as one job.
+class FnJob final : public ItemJob {
+ public:
+  FnJob(int64_t n, const std::function<void(int64_t)>* fn) : fn_(fn) { set_items(n); }
+
+ protected:
+  void do_item(int64_t i, int) override { (*fn_)(i); }
+
+ private:
+  const std::function<void(int64_t)>* fn_;
+};
 
 }  // namespace
 
@@ -184,7 +208,7 @@ ExpertPool& ExpertPool::get() {
 void ExpertPool::ensure_started_locked() {
   if (s_->started) return;
   s_->topo = detect_topology();
-  start_workers_locked(static_cast<int>(s_->topo.cores.size()));
+  start_workers_locked(default_workers(s_->topo));
   s_->started = true;
 }
 
@@ -196,7 +220,10 @@ void ExpertPool::start_workers_locked(int n) {
   s.cpu_of.assign(n, -1);
   s.pin_result.reset(new std::atomic<int>[n]);
   for (int i = 0; i < n; ++i) {
-    s.cpu_of[i] = s.topo.cores.empty() ? -1 : s.topo.cores[i % s.topo.cores.size()];
+    // With fewer workers than cores the first core is left to the waiting thread (a caller
+    // is not pinned; the OS puts it on the core no worker holds).
+    const size_t nc = s.topo.cores.size(), skip = static_cast<size_t>(n) < nc ? 1 : 0;
+    s.cpu_of[i] = nc == 0 ? -1 : s.topo.cores[(i + skip) % nc];
     s.pin_result[i].store(-1);
   }
   s.ready.store(0);
@@ -296,16 +323,35 @@ std::vector<std::shared_ptr<PoolJob>> ExpertPool::wait(int64_t handle) {
     jobs = std::move(it->second);
     s.handles.erase(it);
   }
-  if (!jobs.empty()) {
-    // FIFO: the last job of the handle completes after all earlier ones
-    PoolJob* last = jobs.back().get();
-    auto is_done = [&] { return last->done_.load(std::memory_order_acquire) != 0; };
-    if (!spin_for(is_done)) {
-      std::unique_lock<std::mutex> lk(s.mu);
-      s.done_cv.wait(lk, is_done);
+  if (jobs.empty()) return jobs;
+  // FIFO: the last job of the handle completes after all earlier ones
+  PoolJob* last = jobs.back().get();
+  auto is_done = [&] { return last->done_.load(std::memory_order_acquire) != 0; };
+  // The waiting thread works on the running job (whichever handle it belongs to: every job
+  // ahead of ours must finish first) until its items are all handed out, then waits for the
+  // next job to start or ours to complete. So the caller's core streams with the workers
+  // instead of spinning beside them, and a job of a few items starts without waiting for a
+  // sleeping worker to wake (cpu_executor_pool.h).
+  const int me = s.nthreads;  // a slot past the workers' (no job keeps per-worker storage)
+  for (;;) {
+    std::shared_ptr<PoolJob> job;
+    uint64_t seen;
+    {
+      std::lock_guard<std::mutex> lk(s.mu);
+      seen = s.gen.load(std::memory_order_acquire);
+      job = s.current;
     }
+    if (job && job->run(me)) {
+      finish(job.get());
+      continue;
+    }
+    auto next = [&] { return is_done() || s.gen.load(std::memory_order_acquire) != seen; };
+    if (!spin_for(next)) {
+      std::unique_lock<std::mutex> lk(s.mu);
+      s.done_cv.wait(lk, next);
+    }
+    if (is_done()) return jobs;
   }
-  return jobs;
 }
 
 int ExpertPool::set_threads(int n) {
@@ -315,7 +361,7 @@ int ExpertPool::set_threads(int n) {
                              std::to_string(n));
   std::lock_guard<std::mutex> cfg(s.cfg_mu);
   ensure_started_locked();
-  const int want = n == 0 ? static_cast<int>(s.topo.cores.size()) : n;
+  const int want = n == 0 ? default_workers(s.topo) : n;
   if (want == s.nthreads) return s.nthreads;
   {
     std::unique_lock<std::mutex> lk(s.mu);
@@ -325,6 +371,8 @@ int ExpertPool::set_threads(int n) {
   start_workers_locked(want);
   return s.nthreads;
 }
+
+int ExpertPool::parallelism() { return threads() + 1; }
 
 int ExpertPool::threads() {
   std::lock_guard<std::mutex> cfg(s_->cfg_mu);
@@ -361,6 +409,16 @@ GilRelease::GilRelease() {
 
 GilRelease::~GilRelease() {
   if (st_) PyEval_RestoreThread(static_cast<PyThreadState*>(st_));
+}
+
+void parallel_items(int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  if (n == 1) {
+    fn(0);
+    return;
+  }
+  ExpertPool& pool = ExpertPool::get();
+  wait_and_release(pool, pool.submit({std::make_shared<FnJob>(n, &fn)}));
 }
 
 void wait_and_release(ExpertPool& pool, int64_t handle) {

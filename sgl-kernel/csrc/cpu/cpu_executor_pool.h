@@ -2,18 +2,24 @@
 // CPU execution": "The workers themselves form a persistent C++ pool pinned to
 // physical cores").
 //
-// * Threads are created on first use, one per physical core of the process's
-//   CPU affinity set by default (sysfs topology; without it, one per allowed
-//   CPU), and pinned one per core with sched_setaffinity (a failed pin is
-//   reported by info(), never an error; SGLANG_CPU_EXPERT_PIN=0 skips
-//   pinning). No thread is ever created per call.
+// * Threads are created on first use, by default one per physical core of the
+//   process's CPU affinity set but one (sysfs topology; without it, one per
+//   allowed CPU; at least one), and pinned one per core with sched_setaffinity,
+//   the first core left free (a failed pin is reported by info(), never an
+//   error; SGLANG_CPU_EXPERT_PIN=0 skips pinning). No thread is ever created
+//   per call.
+// * The thread that waits on a handle works too: it takes items of the running
+//   job (any handle's: FIFO puts every earlier job ahead of its own) until they
+//   are handed out, so with the default count every core streams during a job
+//   and none spins beside a worker, and a job of a few items starts at once
+//   instead of after a sleeping worker's wake-up.
 // * A job is a list of work items taken from one atomic counter by every pool
 //   thread that finds the job current (ItemJob). The thread that completes the
 //   last item retires the job and starts the next, so a thread the OS keeps off
 //   its core delays a job only by the item it holds, never by checking in late.
 //   Jobs run one after another in submission order (FIFO), so the jobs of one
 //   submit() may share scratch memory.
-// * Idle threads spin briefly (SGLANG_CPU_EXPERT_SPIN_US, default 20 us) on an
+// * Idle threads spin (SGLANG_CPU_EXPERT_SPIN_US, default 300 us) on an
 //   atomic generation counter, then sleep on a condition variable; waiters do
 //   the same on the job's completion flag.
 // * A forked child does not inherit the threads: the first use in the child
@@ -22,6 +28,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -87,7 +94,10 @@ class ExpertPool {
   // Restarts the pool with n threads (0: one per physical core) once the
   // queue is empty; returns the count now in use.
   int set_threads(int n);
+  // Worker threads, and the threads that run a job someone waits on (workers + the waiter):
+  // what work is divided by.
   int threads();
+  int parallelism();
   std::string info();
 
   ExpertPool();
@@ -115,6 +125,12 @@ struct GilRelease {
  private:
   void* st_ = nullptr;  // PyThreadState*
 };
+
+// Runs fn(i) for every i in [0, n) on the pool, the calling thread included, and returns
+// once all are done (n == 1 runs inline). Items run in any order and on any thread, so fn
+// must not depend on either, and runs without the GIL (released while waiting): it must not
+// touch Python. The first exception is rethrown as c10::Error.
+void parallel_items(int64_t n, const std::function<void(int64_t)>& fn);
 
 // Waits for a handle with the GIL released, then, holding it again, drops the
 // jobs' tensor references (PoolJob::release) and rethrows the first error

@@ -25,7 +25,6 @@
 #include "decode_attention.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +32,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "cpu_executor_pool.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -348,17 +349,20 @@ void decode_attention(const DecodeAttnArgs& a, bool use_bf16) {
   const int64_t items = a.rows * a.kv_heads * chunks;
   const int64_t part = G * (D + 2);  // m[G], l[G], o[G][D] of one item
   std::vector<float> parts(size_t(items * part));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t it = 0; it < items; ++it) {
+  // On the executor's pool (the caller works too), as the decode step's linears and experts
+  // are: torch's OpenMP team beside the pool's spinning workers would share their cores.
+  parallel_items(items, [&](int64_t it) {
     const int64_t r = it / (a.kv_heads * chunks), c = (it / a.kv_heads) % chunks, h = it % a.kv_heads;
     const int64_t j0 = c * kChunk, j1 = std::min(row_keys(a, r), j0 + kChunk);
-    if (j0 >= j1) continue;  // a causal row that does not reach this chunk (never merged)
+    if (j0 >= j1) return;  // a causal row that does not reach this chunk (never merged)
     float* p = parts.data() + ((r * a.kv_heads + h) * chunks + c) * part;
     fn(a, r, h, j0, j1, p, p + G, p + 2 * G);
-  }
+  });
   // Merge each (row, head)'s chunks in chunk order.
   const int64_t grain = std::max<int64_t>(1, 8192 / (chunks * D));
-  at::parallel_for(0, a.rows * a.heads, grain, [&](int64_t begin, int64_t end) {
+  const int64_t heads_all = a.rows * a.heads;
+  parallel_items((heads_all + grain - 1) / grain, [&](int64_t blk) {
+    const int64_t begin = blk * grain, end = std::min(heads_all, begin + grain);
     std::vector<float> acc(static_cast<size_t>(D));
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / a.heads, head = rh % a.heads, h = head / G, g = head % G;

@@ -149,7 +149,7 @@ at::Tensor dense_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
     return y;
   }
   ExpertPool& pool = ExpertPool::get();
-  auto job = std::make_shared<DenseLinearJob>(x, weight, b, y, rows_per_item(N, K, pool.threads()));
+  auto job = std::make_shared<DenseLinearJob>(x, weight, b, y, rows_per_item(N, K, pool.parallelism()));
   wait_and_release(pool, pool.submit({job}));
   return y;
 }
