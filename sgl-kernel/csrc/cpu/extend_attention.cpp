@@ -449,6 +449,7 @@ void attend_rows(const ItemArgs& a, int64_t r_begin, int64_t r_end) {
 namespace sglk {
 namespace {
 #endif  // x86-64 with GNU attributes
+}  // namespace
 
 void extend_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                           int64_t q_pos0, double scale, bool causal, const c10::optional<at::Tensor>& kv_index) {
@@ -571,7 +572,6 @@ bool extend_attention_cpu_supported(int64_t head_dim) {
 #endif
 }
 
-}  // namespace
 }  // namespace sglk
 
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {

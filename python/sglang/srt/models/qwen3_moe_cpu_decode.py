@@ -17,7 +17,10 @@ arguments, straight from a per-model plan built once:
 
 So its outputs are bit-identical to the module path's (test/e2e/test_cpu_decode_layers.py
 compares greedy tokens and logprobs with ``SGLANG_CPU_DECODE_LAYERS=0``, one request and
-several in one decode batch). It takes a forward pass only where every op above is what the
+several in one decode batch). Where the KV pool is upstream's plain bf16 MHA pool, the whole
+sequence is one call of ``decode_layers_cpu`` (``sgl-kernel/csrc/cpu/decode_layers.cpp``: the
+same ops from C++, the GIL released, from a plan of the weights built once per model);
+``SGLANG_CPU_DECODE_LAYERS=python`` keeps the calls in Python (the test compares the two). It takes a forward pass only where every op above is what the
 module path would run; otherwise it returns None and upstream's layer loop runs. The plan's
 checks (once per model; the reason it does not apply is logged once): a CPU without AMX (with
 AMX upstream's intel_amx kernels run), every layer a ``Qwen3MoeDecoderLayer`` with a sparse MoE
@@ -46,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 OFF_ENV = "SGLANG_CPU_DECODE_LAYERS"
 _PLAN_ATTR = "_cpu_decode_layers_plan"
+_NATIVE_ATTR = "_cpu_decode_layers_native"
 _logged: set = set()
 
 
@@ -97,8 +101,9 @@ def enabled() -> bool:
 
 def reset_plan(model: torch.nn.Module) -> None:
     """Drop ``model``'s cached plan (after weights are replaced, not updated in place)."""
-    if hasattr(model, _PLAN_ATTR):
-        delattr(model, _PLAN_ATTR)
+    for attr in (_PLAN_ATTR, _NATIVE_ATTR):
+        if hasattr(model, attr):
+            delattr(model, attr)
 
 
 def _norm_ok(norm) -> bool:
@@ -265,6 +270,85 @@ def _pass_ok(forward_batch, rows: int) -> bool:
     )
 
 
+def _native_mode() -> bool:
+    """True unless ``SGLANG_CPU_DECODE_LAYERS=python`` (the flat sequence run from Python)."""
+    return os.environ.get(OFF_ENV, "1").strip().lower() != "python"
+
+
+def _native_ok(pool) -> bool:
+    """Whether ``decode_layers_cpu``'s KV write (one bf16 row per token at ``out_cache_loc``)
+    is what ``pool.set_kv_buffer`` does: upstream's plain MHA pool, unquantized, token-major
+    (NHD), all layers local, no layer-wise loading."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return (
+        type(pool) is MHATokenToKVPool
+        and not getattr(pool, "is_quantized_kv_cache", False)
+        and pool.dtype == torch.bfloat16
+        and pool.store_dtype == torch.bfloat16
+        and not pool.use_hnd
+        and pool.kv_cache_layout == "nhd"
+        and pool.layer_transfer_counter is None
+        and pool.start_layer == 0
+    )
+
+
+class _NativePlan:
+    """``decode_layers_plan_cpu``'s id for a model, freed with it (or by :func:`reset_plan`)."""
+
+    def __init__(self, plan_id: int):
+        self.id = plan_id
+
+    def __del__(self):
+        try:
+            torch.ops.sgl_kernel.decode_layers_plan_free_cpu(self.id)
+        except Exception:  # interpreter shutdown: the registry goes with the process
+            pass
+
+
+def _native_plan(model, plan: List[_Layer]) -> Optional[int]:
+    """The C++ plan of ``plan`` (built once per model), or None where the op is missing or
+    ``SGLANG_CPU_DECODE_LAYERS=python``."""
+    native = getattr(model, _NATIVE_ATTR, False)
+    if native is False:
+        native = None
+        if _native_mode() and hasattr(torch.ops.sgl_kernel, "decode_layers_cpu"):
+            empty = torch.empty(0, dtype=torch.bfloat16)
+            tensors, ints, floats = [], [], []
+            for p in plan:
+                tensors += (
+                    p.in_w,
+                    p.post_w,
+                    p.qkv_w,
+                    empty if p.qkv_b is None else p.qkv_b,
+                    p.q_norm_w,
+                    p.k_norm_w,
+                    p.o_w,
+                    empty if p.o_b is None else p.o_b,
+                    p.gate_w,
+                    p.w13,
+                    p.w2,
+                )
+                ints += (
+                    p.q_size,
+                    p.kv_size,
+                    p.num_heads,
+                    p.num_kv_heads,
+                    p.head_dim,
+                    p.rotary_dim,
+                    int(p.neox),
+                    p.top_k,
+                    int(p.renormalize),
+                )
+                floats += (p.in_eps, p.post_eps, p.qk_eps, p.scaling)
+            tensors.append(model.norm.weight.data)
+            floats.append(model.norm.variance_epsilon)
+            native = _NativePlan(torch.ops.sgl_kernel.decode_layers_plan_cpu(tensors, ints, floats))
+            _log_once("native", "CPU decode layers: one decode_layers_cpu call per decode pass")
+        setattr(model, _NATIVE_ATTR, native)
+    return None if native is None else native.id
+
+
 def decode_layers(
     model: torch.nn.Module,
     positions: torch.Tensor,
@@ -329,6 +413,21 @@ def decode_layers(
         if fast_attn
         else None
     )
+    pos = positions.view(-1)
+    if fast_attn and _native_ok(pool):
+        native = _native_plan(model, plan)
+        if native is not None:
+            caches = []
+            for p in plan:
+                p.rotary._match_cos_sin_cache_dtype(hidden_states)
+                caches += (
+                    pool.get_key_buffer(p.layer_id),
+                    pool.get_value_buffer(p.layer_id),
+                    p.rotary.cos_sin_cache,
+                )
+            return ops.decode_layers_cpu(
+                native, hidden_states, pos, forward_batch.out_cache_loc, caches, kv_index
+            )
     pos = positions.view(-1)
     residual = None
     h = hidden_states
