@@ -31,6 +31,14 @@ pool's threads, a 1 GiB buffer) over the bytes one decode token reads: every den
 (q/k/v/o, router, lm_head) plus the top-k routed experts of each layer (KV and activations
 are ignored: < 0.1%). ``limit_share`` = fork decode / that limit.
 
+Interleaved (``--llama-cpp --interleave R``, default 3): the memory bandwidth of a shared VM
+moves by tens of percent within minutes (llama.cpp measured 45 and 75 tok/s ten minutes apart
+on 2026-12-07), so a fork figure and a llama.cpp figure taken minutes apart can say little.
+With the fork's server up (idle: it sleeps), R rounds each take one fork decode stream and
+one ``llama-bench -n NEW_TOKENS -r 1`` decode back to back; ``decode_ratio_interleaved`` is
+the median of the R per-round ratios (``fork_decode_rounds`` / ``llamacpp_decode_rounds``
+list them).
+
 Loaded (``--loaded``): the fork and llama.cpp decode again while one busy-looping process
 holds a core (``loaded_decode_ratio`` = fork / llama.cpp).
 
@@ -38,7 +46,7 @@ Last line::
 
     cpu_decode model=... threads=T fork_decode_tps=... base_decode_tps=... fork_vs_base=...
     limit_tps=... decode_ratio_vs_llamacpp=... limit_share=... prefill_ratio_vs_llamacpp=...
-    loaded_decode_ratio=...
+    loaded_decode_ratio=... decode_ratio_interleaved=...
 
 (llama.cpp ratios only with ``--llama-cpp``, the loaded one only with ``--loaded``.)
 """
@@ -99,6 +107,12 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--interleave",
+        type=int,
+        default=3,
+        help="with --llama-cpp: rounds of one fork and one llama.cpp decode back to back (0: none)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp (built once)")
     p.add_argument("--loaded", action="store_true", help="also decode with one core busy")
@@ -178,6 +192,23 @@ class BusyCore:
         self.proc.wait()
 
 
+def interleaved_rounds(url: str, model: Path, args) -> tuple[list[float], list[float]]:
+    """``args.interleave`` rounds of one fork decode stream (the server at ``url``) and one
+    llama.cpp decode (``llama-bench -p 0 -n new_tokens -r 1``), back to back: (fork tok/s,
+    llama.cpp tok/s) per round."""
+    import llama_cpp
+
+    llama_cpp.ensure_built()
+    gguf = llama_cpp.ensure_gguf(model)
+    g = torch.Generator().manual_seed(11)
+    fork, lc = [], []
+    for _ in range(args.interleave):
+        n, s, _ = stream_decode(url, _random_ids(g, args.prompt_len), args.new_tokens + 1)
+        fork.append(n / max(s, 1e-9))
+        lc.append(llama_cpp.bench(gguf, args.threads, 0, args.new_tokens, repeats=1)["decode"])
+    return fork, lc
+
+
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split(" ")[0]
 
@@ -198,6 +229,7 @@ def main(argv=None) -> int:
         flush=True,
     )
     dec, pre, loaded = {}, {}, {}
+    rounds = None
     for name in args.variants:
         srv = server.start_server(model, SERVER_ARGS, env=VARIANTS[name])
         try:
@@ -206,6 +238,8 @@ def main(argv=None) -> int:
             if args.loaded and name == "fork":
                 with BusyCore():
                     loaded[name] = decode_tps(srv.url, args, seed=8)
+            if args.llama_cpp and args.interleave > 0 and name == "fork":
+                rounds = interleaved_rounds(srv.url, model, args)
         finally:
             srv.stop()
         print(
@@ -239,6 +273,18 @@ def main(argv=None) -> int:
         ]
         if "fork" in dec:
             fields.append(f"decode_ratio_vs_llamacpp={dec['fork'] / lc['decode']:.2f}")
+        if rounds is not None:
+            fork_r, lc_r = rounds
+            ratios = [f / c for f, c in zip(fork_r, lc_r)]
+            print(
+                "interleaved rounds (fork / llama.cpp tok/s): "
+                + ", ".join(f"{f:.1f}/{c:.1f}" for f, c in zip(fork_r, lc_r))
+            )
+            fields += [
+                "fork_decode_rounds=" + ",".join(f"{v:.1f}" for v in fork_r),
+                "llamacpp_decode_rounds=" + ",".join(f"{v:.1f}" for v in lc_r),
+                f"decode_ratio_interleaved={statistics.median(ratios):.2f}",
+            ]
         if args.loaded and "fork" in loaded:
             with BusyCore():
                 lcl = llama_cpp.bench(gguf, args.threads, 0, args.new_tokens)

@@ -100,7 +100,8 @@ class ExpertCacheConfig:
     Attributes:
         size: the requested cache size.
         policy: the miss policy.
-        cpu_threads: CPU executor threads (0 = one per physical core).
+        cpu_threads: CPU executor worker threads (0 = one per physical core but one; the
+            thread waiting on a job works too).
         fill_gbps: B_P override in GB/s (None = profile at startup).
         cpu_gbps: B_H override in GB/s (None = profile at startup).
         max_fills: F, the most experts one layer call may fill (the victim candidates the
