@@ -18,14 +18,9 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
 namespace sglk {
-
-void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
-                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
-                     const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                     const OptTensorList& w2_scale_2, const OptTensorList& w13_bias, const OptTensorList& w2_bias,
-                     int64_t activation, double alpha, double limit);
 
 namespace {
 

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "ops.h"
 
 namespace sglk {
 std::tuple<at::Tensor, at::Tensor> fused_gdn_gating_cpu(const at::Tensor& A_log, const at::Tensor& a,
@@ -54,11 +55,6 @@ void assign_req_to_token_pool_cpu(const at::Tensor& req_pool_indices, const at::
 void copy_all_layer_kv_cache_cpu(const at::Tensor& data_ptrs, const at::Tensor& data_strides, const at::Tensor& tgt_loc,
                                  const at::Tensor& src_loc);
 at::Tensor murmur_hash32_cpu(const at::Tensor& seed, const at::Tensor& positions, const at::Tensor& col_indices);
-void moe_experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
-                     at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate, int64_t format,
-                     const OptTensorList& w13_scale, const OptTensorList& w2_scale, const OptTensorList& w13_scale_2,
-                     const OptTensorList& w2_scale_2, const OptTensorList& w13_bias, const OptTensorList& w2_bias,
-                     int64_t activation, double alpha, double limit);
 int64_t moe_experts_cpu_submit(const at::Tensor& hidden, const at::Tensor& topk_weights, at::TensorList expert_rows,
                                at::TensorList w13, at::TensorList w2, const at::Tensor& out, bool accumulate,
                                int64_t format, const OptTensorList& w13_scale, const OptTensorList& w2_scale,
