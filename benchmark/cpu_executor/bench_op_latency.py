@@ -29,8 +29,7 @@ def main(argv=None) -> int:
     import sgl_kernel_fork  # noqa: F401  (registers torch.ops.sgl_kernel)
 
     ops = torch.ops.sgl_kernel
-    if args.threads:
-        ops.expert_pool_set_threads(args.threads)
+    threads = ops.expert_pool_set_threads(args.threads)  # 0: the default count
     info = ops.expert_pool_info()
     print(info)
     x = torch.randn(1, 2048, dtype=torch.bfloat16)
@@ -42,7 +41,7 @@ def main(argv=None) -> int:
         while time.perf_counter() < end:
             pass
 
-    fields = [f"threads={ops.expert_pool_set_threads(0) if not args.threads else args.threads}"]
+    fields = [f"threads={threads}"]
     fields.append("spin_us=" + info.split("spin_us=")[1].split()[0])
     for gap in (int(g) for g in args.gaps.split(",")):
         for name, ws, n in (("router", router, 400), ("qkv", qkv, 96)):

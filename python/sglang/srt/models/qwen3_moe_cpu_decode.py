@@ -20,11 +20,12 @@ compares greedy tokens and logprobs with ``SGLANG_CPU_DECODE_LAYERS=0``, one req
 several in one decode batch). Where the KV pool is upstream's plain bf16 MHA pool, the whole
 sequence is one call of ``decode_layers_cpu`` (``sgl-kernel/csrc/cpu/decode_layers.cpp``: the
 same ops from C++, the GIL released, from a plan of the weights built once per model);
-``SGLANG_CPU_DECODE_LAYERS=python`` keeps the calls in Python (the test compares the two). It takes a forward pass only where every op above is what the
-module path would run; otherwise it returns None and upstream's layer loop runs. The plan's
-checks (once per model; the reason it does not apply is logged once): a CPU without AMX (with
-AMX upstream's intel_amx kernels run), every layer a ``Qwen3MoeDecoderLayer`` with a sparse MoE
-block, no tensor / pipeline / expert parallelism, bf16 weights without a quantization method
+``SGLANG_CPU_DECODE_LAYERS=python`` keeps the calls in Python (the test compares the two).
+
+It takes a forward pass only where every op above is what the module path would run;
+otherwise it returns None and upstream's layer loop runs. The plan's checks (once per model;
+the reason it does not apply is logged once): a CPU without AMX (with AMX upstream's
+intel_amx kernels run), every layer a ``Qwen3MoeDecoderLayer`` with a sparse MoE block, no tensor / pipeline / expert parallelism, bf16 weights without a quantization method
 (an expert cache's method included: its layers keep the module path), the fork's norm, q/k
 norm + rotary, dense-linear and executor ops present (``SGLANG_CPU_FUSED_NORM=0`` and
 ``SGLANG_CPU_MOE_BACKEND=native`` leave the module path), softmax top-k without grouping,
@@ -428,7 +429,6 @@ def decode_layers(
             return ops.decode_layers_cpu(
                 native, hidden_states, pos, forward_batch.out_cache_loc, caches, kv_index
             )
-    pos = positions.view(-1)
     residual = None
     h = hidden_states
     for p in plan:
