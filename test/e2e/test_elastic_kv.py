@@ -14,6 +14,10 @@ greedy streams run.
 * after a shrink the scheduler's resident memory drops by about the bytes released;
 * a target below the floor is a 400 naming the floor; GET reports KV tokens and bytes.
 
+:func:`assert_kv_storm_keeps_streams` is the same check, shorter, for the other pool kinds'
+modules (the hybrid pool of ``test_expert_cache_qwen3_5.py``, the MLA pool of
+``test_expert_cache_deepseek.py``), on their pooled servers.
+
 Runs on the expert-cache server of ``test_expert_cache.py`` (the same configuration: no extra
 server start when both modules run), so ``device_memory_budget`` splits KV and slots.
 """
@@ -157,3 +161,50 @@ def test_kv_targets_refused(server_pool):
     r = _post(srv.url, {"device_memory_budget": 1000})
     assert r.status_code == 400 and "smallest feasible budget is" in r.json()["message"], r.text
     assert _split(srv.url)["kv"]["kv_tokens"] == kv["kv_tokens"]
+
+
+def assert_kv_storm_keeps_streams(srv, seed: int) -> None:
+    """Four KV resizes (shrink, grow, shrink, grow) while ``STREAMS`` greedy streams decode on
+    ``srv`` (an expert-cache server): every stream keeps exactly the tokens of the same streams
+    run without resizes, the first shrink evicts cached prefixes and moves live pages, each
+    resize answers 200 (the handler checks the allocator against tree and requests after each
+    one), and the pool ends at its startup size."""
+    split = _split(srv.url)
+    kv0 = split["kv"]
+    assert kv0["kv_resizable"], kv0
+    full = kv0["kv_tokens"]
+    prompts = random_prompts(lengths=(5, 12, 31, 64, 97, 140, 200, 300), seed=seed)[:STREAMS]
+
+    def fresh_cache_with_prefixes():  # as in the test above
+        assert requests.post(srv.url + "/flush_cache", timeout=60).status_code == 200
+        for ids in random_prompts(lengths=(1000,) * 5, seed=seed + 1):
+            r = requests.post(
+                srv.url + "/generate",
+                json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
+                timeout=300,
+            )
+            assert r.status_code == 200, r.text
+
+    fresh_cache_with_prefixes()
+    want = _concurrent_streams(srv.url, prompts)
+    fresh_cache_with_prefixes()
+    done = []
+
+    def run_storm(streams):
+        for kv_tokens in (4096, full, 3072, full):
+            r = _post(srv.url, {"kv_tokens": kv_tokens})
+            assert r.status_code == 200, (kv_tokens, r.text)
+            step = r.json().get("kv_resize") or {}
+            in_flight = sum(not s.done() for s in streams)
+            moved, evicted = step.get("moved_pages", 0), step.get("evicted_tokens", 0)
+            done.append((r.json()["kv"]["kv_tokens"], in_flight, moved, evicted))
+
+    try:
+        got = _concurrent_streams(srv.url, prompts, run_storm)
+        assert [d[0] for d in done] == [4096, full, 3072, full], done
+        assert done[0][1] > 0 and done[0][2] > 0 and done[0][3] > 0, done
+        kv = _split(srv.url)["kv"]
+        assert kv["kv_resize_failures"] == 0 and kv["kv_resizes"] >= 4, kv
+    finally:  # later tests expect the server as it started
+        assert _post(srv.url, {"kv_tokens": full}).status_code == 200
+    assert got == want, "greedy tokens differ after KV resizes"

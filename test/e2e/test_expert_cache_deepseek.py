@@ -46,6 +46,15 @@ def test_eight_slots_equal_all_resident(results):
     assert_split_happened(results("slots8_metrics"), slots=8)
 
 
+def test_mla_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
+    """Elastic KV on an MLA pool (issue 15): ``MLATokenToKVPool``'s one latent row per token
+    and layer shrinks and grows while greedy streams decode
+    (``test_elastic_kv.assert_kv_storm_keeps_streams``)."""
+    from test_elastic_kv import assert_kv_storm_keeps_streams
+
+    assert_kv_storm_keeps_streams(server_pool.get(ARCH, CACHE_SLOTS8), seed=31)
+
+
 def test_all_resident_as_accurate_as_upstream_moe(results):
     """The cache (all resident) and upstream's torch MoE loop, both bf16, against transformers
     in float32 on the same checkpoint and prompts."""

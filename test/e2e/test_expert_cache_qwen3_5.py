@@ -81,3 +81,12 @@ def test_image_request_refused_when_served_text_only(server_pool):
 def test_eight_slots_equal_all_resident(results):
     assert_identical_outputs(results("resident"), results("slots8"))
     assert_split_happened(results("slots8_metrics"), slots=8)
+
+
+def test_hybrid_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
+    """Elastic KV on a hybrid model (issue 15): the full-attention layers' KV pool inside
+    ``HybridLinearKVPool`` shrinks and grows while greedy streams decode; the recurrent states
+    (request-indexed) stay where they are (``test_elastic_kv.assert_kv_storm_keeps_streams``)."""
+    from test_elastic_kv import assert_kv_storm_keeps_streams
+
+    assert_kv_storm_keeps_streams(server_pool.get(ARCH, CACHE_SLOTS8), seed=21)

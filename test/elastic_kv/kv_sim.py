@@ -1,13 +1,15 @@
 """A small scheduler stand-in over upstream's KV pools and radix cache, for elastic KV tests.
 
-Builds an ``MHATokenToKVPool`` (float32, CPU), its token-to-KV allocator (page size 1 or a
+Builds an ``MHATokenToKVPool`` (float32, CPU; ``mla=True``: an ``MLATokenToKVPool``, one
+latent buffer per layer), its token-to-KV allocator (page size 1 or a
 paged one), a ``ReqToTokenPool`` and upstream's ``UnifiedRadixCache`` (the Rust tree core as the
 server runs it, or the Python one), with :class:`ElasticKV` over them, and drives requests
 through admission (prefix match, lock, request row, KV for the rest of the prompt, evicting
 when the pool is full), decode steps, finish (``release_kv_cache``) and eviction.
 
 KV contents are stamps, not a model: the K row written for position ``p`` of a token
-sequence is ``stamp(seq[: p + 1])`` in every element of every layer (V: its negative), so a
+sequence is ``stamp(seq[: p + 1])`` in every element of every layer (V: its negative; MLA:
+the latent row holds it), so a
 prefix's KV depends only on its tokens, as real KV does, and :meth:`KVSim.kv_problems` can say
 whether every running request and every cached prefix still reads its own KV after pages
 moved.
@@ -30,7 +32,11 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.elastic_kv.accounting import kv_accounting_problems
 from sglang.srt.mem_cache.elastic_kv.resize import ElasticKV
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -64,22 +70,36 @@ class KVSim:
         rows: int = 6,
         context: int = 64,
         tree_core: str = "rust",
+        mla: bool = False,
     ) -> None:
         set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
         self.page_size = page_size
         self.rtp = ReqToTokenPool(
             size=rows, max_context_len=context, device="cpu", enable_memory_saver=False
         )
-        self.kv = MHATokenToKVPool(
-            size=kv_tokens,
-            page_size=page_size,
-            dtype=torch.float32,
-            head_num=HEADS,
-            head_dim=DIM,
-            layer_num=LAYERS,
-            device="cpu",
-            enable_memory_saver=False,
-        )
+        self.mla = mla
+        if mla:
+            self.kv = MLATokenToKVPool(
+                size=kv_tokens,
+                page_size=page_size,
+                dtype=torch.float32,
+                kv_lora_rank=DIM,
+                qk_rope_head_dim=2,
+                layer_num=LAYERS,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+        else:
+            self.kv = MHATokenToKVPool(
+                size=kv_tokens,
+                page_size=page_size,
+                dtype=torch.float32,
+                head_num=HEADS,
+                head_dim=DIM,
+                layer_num=LAYERS,
+                device="cpu",
+                enable_memory_saver=False,
+            )
         if page_size == 1:
             self.alloc = TokenToKVPoolAllocator(
                 size=kv_tokens, dtype=torch.float32, device="cpu", kvcache=self.kv, need_sort=False
@@ -119,9 +139,8 @@ class KVSim:
 
     def _write(self, seq, start: int, locs: torch.Tensor) -> None:
         vals = torch.tensor([stamp(seq[: p + 1]) for p in range(start, start + len(locs))])
-        for layer in range(LAYERS):
-            self.kv.k_buffer[layer][locs] = vals[:, None, None].expand(-1, HEADS, DIM)
-            self.kv.v_buffer[layer][locs] = -vals[:, None, None].expand(-1, HEADS, DIM)
+        for buf, sign in self._buffers():
+            buf[locs] = sign * vals[:, None, None].expand(-1, *buf.shape[1:])
 
     def _alloc_positions(self, req: Req, start: int, n: int) -> Optional[torch.Tensor]:
         """KV locations for positions ``[start, start + n)`` of ``req`` (the rest of its last
@@ -232,12 +251,16 @@ class KVSim:
 
     def _stamps_ok(self, seq, locs: torch.Tensor) -> bool:
         want = torch.tensor([stamp(seq[: p + 1]) for p in range(len(locs))])
-        for layer in range(LAYERS):
-            if not torch.equal(self.kv.k_buffer[layer][locs][:, 0, 0], want):
-                return False
-            if not torch.equal(self.kv.v_buffer[layer][locs][:, 0, 0], -want):
+        for buf, sign in self._buffers():
+            if not torch.equal(buf[locs][:, 0, 0], sign * want):
                 return False
         return True
+
+    def _buffers(self):
+        """``(buffer, sign)`` of every per-layer buffer: K (+) and V (-), or MLA's latent (+)."""
+        if self.mla:
+            return [(b, 1.0) for b in self.kv.kv_buffer]
+        return [(b, 1.0) for b in self.kv.k_buffer] + [(b, -1.0) for b in self.kv.v_buffer]
 
     def kv_problems(self) -> List[str]:
         """Requests and cached prefixes whose KV locations do not hold their own stamps."""
@@ -302,12 +325,12 @@ class SchedulerStandIn:
         return SimpleNamespace(reqs=list(self.sim.last_prefill), forward_mode=ForwardMode.EXTEND)
 
 
-def busy_sim(page_size: int, core: str, seed: int = 0) -> "KVSim":
+def busy_sim(page_size: int, core: str, seed: int = 0, mla: bool = False) -> "KVSim":
     """A pool with running requests and cached prefixes spread over all its pages: 30 seeded
     admit / decode / finish steps on a 96-token pool (largest 128)."""
     import random
 
-    sim = KVSim(kv_tokens=96, max_tokens=128, page_size=page_size, tree_core=core)
+    sim = KVSim(kv_tokens=96, max_tokens=128, page_size=page_size, tree_core=core, mla=mla)
     rng = random.Random(seed)
     for _ in range(30):
         op = rng.random()

@@ -360,3 +360,36 @@ def test_request_limits_follow_the_pool(monkeypatch):
     assert handle(kv_tokens=256).status_code == 200
     assert (sched.max_req_len, sched.max_req_input_len) == (199, 194)  # the context length
     assert refused(190) is None
+
+
+def test_publish_size_writes_frozen_and_msgspec_components():
+    """The pool size and request limits reach components of every kind upstream uses: a
+    frozen dataclass (the pool statistics observer) and a ``msgspec.Struct`` (the beam
+    coordinator, which ``object.__setattr__`` refuses: "can't apply this __setattr__")."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from sglang.srt.mem_cache.elastic_kv.scheduler_glue import publish_size
+
+    @dataclasses.dataclass(frozen=True)
+    class Observer:
+        max_total_num_tokens: int
+
+    class Beams(msgspec.Struct, kw_only=True):
+        max_req_len: int
+
+    sched = SimpleNamespace(
+        max_total_num_tokens=512,
+        max_req_len=511,
+        max_req_input_len=506,
+        model_config=SimpleNamespace(context_len=4096),
+        pool_stats_observer=Observer(max_total_num_tokens=512),
+        beam_coordinator=Beams(max_req_len=511),
+    )
+    publish_size(sched, 256)
+    assert sched.max_total_num_tokens == 256
+    assert (sched.max_req_len, sched.max_req_input_len) == (255, 250)
+    assert sched.pool_stats_observer.max_total_num_tokens == 256
+    assert sched.beam_coordinator.max_req_len == 255

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kv_sim import KVSim
+from kv_sim import DIM, LAYERS, KVSim
 from kv_sim import busy_sim as _busy_sim
 from kv_sim import random_prompt as _prompt
 
@@ -117,8 +117,9 @@ def _state(sim: KVSim):
 
 @pytest.mark.parametrize("core", ["rust", "python"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_shrink_moves_live_pages(core, page_size):
-    sim = _busy_sim(page_size, core)
+@pytest.mark.parametrize("pool", ["mha", "mla"])
+def test_shrink_moves_live_pages(core, page_size, pool):
+    sim = _busy_sim(page_size, core, mla=pool == "mla")
     el = sim.elastic
     target = el.floor()
     high = set(range(target // page_size + 1, el.size // page_size + 1))
@@ -305,3 +306,29 @@ def test_reserve_failure_leaves_the_pool_readable(monkeypatch):
     out = el.resize(el.floor())
     assert el.size == out["kv_tokens"] and el.backing is not None
     assert sim.kv_problems() == [] and sim.accounting() == []
+
+
+def test_mla_pool_moves_into_its_reservation_and_returns_memory():
+    """An MLA pool (one latent buffer per layer) resizes like an MHA one: the first resize
+    moves its buffers into reserved mappings (its ``data_ptrs`` follow), a shrink moves live
+    pages below the boundary, a grow commits the rows again, and every request and cached
+    prefix reads its own rows."""
+    from sglang.srt.mem_cache.elastic_kv.resize import kv_buffers
+
+    sim = _busy_sim(1, "rust", seed=5, mla=True)
+    el = sim.elastic
+    first, second = kv_buffers(sim.kv)
+    assert first is sim.kv.kv_buffer and second == []
+    assert el.token_bytes == LAYERS * (DIM + 2) * 4  # kv_lora_rank + rope dims, float32
+    out = el.resize(el.floor())
+    # moved into the reserved mappings (the tail's release is whole OS pages: none this small)
+    assert el.backing is not None and out["moved_pages"] > 0
+    assert sim.kv.size == el.size == out["kv_tokens"]
+    assert [b.data_ptr() for b in sim.kv.kv_buffer] == [b.base for b in el.backing.k]
+    assert sim.kv.data_ptrs.tolist() == [b.data_ptr() for b in sim.kv.kv_buffer]
+    assert [b.shape[0] for b in sim.kv.kv_buffer] == [el.size + 1] * LAYERS
+    assert sim.accounting() == [] and sim.kv_problems() == []
+    out = el.resize(128)
+    assert out["committed_bytes"] == (128 - out["previous_tokens"]) * el.token_bytes
+    assert sim.kv.data_ptrs.tolist() == [b.data_ptr() for b in sim.kv.kv_buffer]
+    assert sim.accounting() == [] and sim.kv_problems() == []

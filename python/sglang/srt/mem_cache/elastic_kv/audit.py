@@ -53,7 +53,10 @@ class Snapshot:
 
 
 def _buffers(el) -> List[torch.Tensor]:
-    return list(el.kvcache.k_buffer) + list(el.kvcache.v_buffer)
+    from sglang.srt.mem_cache.elastic_kv.resize import kv_buffers
+
+    first, second = kv_buffers(el.kvcache)
+    return list(first) + list(second)
 
 
 def _read(el, idx: torch.Tensor) -> List[torch.Tensor]:

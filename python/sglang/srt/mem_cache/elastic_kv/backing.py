@@ -144,7 +144,8 @@ class HostKVBacking:
 
     Args:
         k_buffers, v_buffers: the pool's lists of tensors, ``(rows, head_num, head_dim)`` each
-            (contiguous), one per layer; their entries are replaced as described.
+            (contiguous), one per layer; their entries are replaced as described. An MLA pool
+            passes its ``kv_buffer`` (one latent row per token) and an empty ``v_buffers``.
         max_rows: rows to reserve per buffer (pool size in tokens + one page of padding, for
             the largest pool a grow may reach).
 
@@ -155,7 +156,7 @@ class HostKVBacking:
     """
 
     def __init__(self, k_buffers: List[torch.Tensor], v_buffers: List[torch.Tensor], max_rows):
-        if len(k_buffers) != len(v_buffers):
+        if v_buffers and len(k_buffers) != len(v_buffers):
             raise ValueError(f"{len(k_buffers)} K buffers but {len(v_buffers)} V buffers")
         for src in list(k_buffers) + list(v_buffers):
             if not src.is_contiguous() or src.shape[0] > max_rows:
@@ -167,7 +168,7 @@ class HostKVBacking:
         self.v: List[ReservedBuffer] = []
         self.rows = int(k_buffers[0].shape[0]) if k_buffers else 0
         for layer in range(len(k_buffers)):
-            for bufs, out in ((k_buffers, self.k), (v_buffers, self.v)):
+            for bufs, out in ((k_buffers, self.k), (v_buffers, self.v))[: 2 if v_buffers else 1]:
                 src = bufs[layer]
                 buf = ReservedBuffer(max_rows, src.shape[1:], src.dtype)
                 view = buf.rows(src.shape[0])

@@ -2,7 +2,16 @@
 FreeToken §3.3 "Runtime cache reconfiguration", extended from expert slots to KV pages).
 
 :class:`ElasticKV` owns the resize of one MHA KV pool, its token-to-KV allocator, the request
-rows (``req_to_token``) and the radix tree's KV values. Pages are the allocator's units (page
+rows (``req_to_token``) and the radix tree's KV values. A hybrid model's pool
+(``HybridLinearKVPool``: Qwen3-Next, Qwen3.5) holds its full-attention layers' KV in such an MHA
+pool (``full_kv_pool``), indexed by the same token rows; that inner pool is what resizes, and
+the wrapper's size follows. Its recurrent states live in the request-indexed state pool,
+which a token resize does not touch (neither do the tree's state values or anchor checkpoints:
+slot ids, not token rows). An MLA pool (``MLATokenToKVPool``: DeepSeek-V2/V3 and models of
+their architecture, e.g. Kimi-K2) holds one latent row per token and layer (``kv_buffer``)
+instead of a K and a V row: the same resize over one buffer list (:func:`kv_buffers`).
+
+Pages are the allocator's units (page
 ``p`` holds token rows ``[p * page_size, (p + 1) * page_size)``; page 0 is the padding page
 and never moves); a pool of ``size`` tokens owns pages ``1 .. size // page_size``.
 
@@ -40,7 +49,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -72,18 +81,77 @@ class KVPlan:
     dst_pages: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
 
+def token_pool(kvcache):
+    """``(pool, wrapper)``: the pool whose buffers hold the token rows, and the hybrid pool
+    around it (``HybridLinearKVPool``, whose ``size`` follows the inner pool's) or None."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    if type(kvcache) is HybridLinearKVPool:
+        return kvcache.full_kv_pool, kvcache
+    return kvcache, None
+
+
+def _is_mla(kv) -> bool:
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return type(kv) is MLATokenToKVPool
+
+
+def kv_buffers(kv) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The per-layer buffers that hold token rows, as two lists (the pool's own): an MHA
+    pool's ``(k_buffer, v_buffer)``, ``(rows, head_num, head_dim)`` each; an MLA pool's
+    ``(kv_buffer, [])``, ``(rows, 1, kv_lora_rank + qk_rope_head_dim)`` each."""
+    if _is_mla(kv):
+        return kv.kv_buffer, []
+    return kv.k_buffer, kv.v_buffer
+
+
+def _set_buffers(kv, first: List[torch.Tensor], second: List[torch.Tensor]) -> None:
+    """Install new buffer lists and refresh what the pool derived from their pointers."""
+    if _is_mla(kv):
+        kv.kv_buffer = first
+        kv.data_ptrs = torch.tensor(
+            [x.data_ptr() for x in kv.kv_buffer], dtype=torch.uint64, device=kv.device
+        )
+        return
+    kv.k_buffer, kv.v_buffer = first, second
+    _refresh(kv)
+
+
+def _refresh(kv) -> None:
+    if _is_mla(kv):
+        _set_buffers(kv, kv.kv_buffer, [])
+        return
+    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
+    kv._init_data_ptrs_and_strides()
+
+
 def _supported(kvcache) -> Optional[str]:
     """Why ``kvcache`` cannot be resized here (None: it can)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    if type(kvcache) is not MHATokenToKVPool:
-        return f"{type(kvcache).__name__} (only MHATokenToKVPool resizes)"
+    pool, wrapper = token_pool(kvcache)
+    if type(pool) is not MHATokenToKVPool and not _is_mla(pool):
+        what = type(pool).__name__
+        if wrapper is not None:
+            what = f"{type(wrapper).__name__} over {what}"
+        return (
+            f"{what} (MHATokenToKVPool and MLATokenToKVPool resize, alone or as a hybrid "
+            "model's full-attention pool)"
+        )
+    kvcache = pool
     if str(kvcache.device) != "cpu":
         return f"a KV pool on {kvcache.device} (only the CPU backing is built)"
-    if getattr(kvcache, "k_scale_buffer", None) is not None or kvcache.is_quantized_kv_cache:
+    if (
+        getattr(kvcache, "k_scale_buffer", None) is not None
+        or getattr(kvcache, "kv_scale_buffer", None) is not None
+        or getattr(kvcache, "is_quantized_kv_cache", False)
+    ):
         return "a quantized KV cache"
     if getattr(kvcache, "kv_cache_layout", "nhd") != "nhd":
         return f"the {kvcache.kv_cache_layout} KV layout"
+    if _is_mla(kvcache) and (kvcache.use_dsa or kvcache.dcp_replicated):
+        return "an MLA pool with a sparse-attention indexer or decode context parallelism"
     return None
 
 
@@ -91,7 +159,9 @@ class ElasticKV:
     """The resizable KV side of one scheduler.
 
     Args:
-        kvcache: ``MHATokenToKVPool`` on the CPU (NHD layout, not quantized).
+        kvcache: ``MHATokenToKVPool`` (NHD layout) or ``MLATokenToKVPool`` (no indexer) on
+            the CPU, not quantized, or a ``HybridLinearKVPool`` whose full-attention pool is
+            one of them.
         allocator: its ``TokenToKVPoolAllocator`` or ``PagedTokenToKVPoolAllocator``.
         req_to_token_pool: the ``ReqToTokenPool`` whose ``req_to_token`` rows hold KV indices.
         tree_cache: the prefix cache (``UnifiedRadixCache``) or None.
@@ -109,7 +179,8 @@ class ElasticKV:
             why = "a hierarchical cache (host copies of the tree's pages are not remapped)"
         if why is not None:
             raise KVResizeRefused(f"KV pages cannot resize on {why}")
-        self.kvcache = kvcache
+        # the pool whose buffers hold the token rows, and the hybrid wrapper around it
+        self.kvcache, self.wrapper = token_pool(kvcache)
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.tree_cache = tree_cache
@@ -136,10 +207,9 @@ class ElasticKV:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token over every layer's K and V."""
-        kv = self.kvcache
-        item = torch.empty((), dtype=kv.store_dtype).element_size()
-        return kv.layer_num * kv.head_num * (kv.head_dim + kv.v_head_dim) * item
+        """Bytes of one token over every layer's buffers (K and V, or MLA's latent row)."""
+        first, second = kv_buffers(self.kvcache)
+        return sum(b[0].numel() * b.element_size() for b in list(first) + list(second))
 
     def held_tokens(self) -> int:
         return self.size - int(self.allocator.available_size())
@@ -253,19 +323,14 @@ class ElasticKV:
         kv = self.kvcache
         rows = self.size + self.page_size
         try:
-            backing = HostKVBacking(kv.k_buffer, kv.v_buffer, self.max_tokens + self.page_size)
+            backing = HostKVBacking(*kv_buffers(kv), self.max_tokens + self.page_size)
         finally:  # layers that moved have new pointers, also when a later one failed
-            kv._kv_buffer_descs = kv._build_kv_buffer_descs()
-            kv._init_data_ptrs_and_strides()
+            _refresh(kv)
         self.backing = backing
         self._install_views(rows)
 
     def _install_views(self, rows: int) -> None:
-        kv = self.kvcache
-        k, v = self.backing.views(rows)
-        kv.k_buffer, kv.v_buffer = k, v
-        kv._kv_buffer_descs = kv._build_kv_buffer_descs()
-        kv._init_data_ptrs_and_strides()
+        _set_buffers(self.kvcache, *self.backing.views(rows))
 
     def _set_size(self, new_size: int) -> None:
         alloc, kv = self.allocator, self.kvcache
@@ -275,6 +340,9 @@ class ElasticKV:
         kv.size = new_size
         self._install_views(new_size + self.page_size)
         kv.mem_usage = (new_size + self.page_size) * self.token_bytes / (1 << 30)
+        if self.wrapper is not None:
+            self.wrapper.size = new_size
+            self.wrapper.mem_usage = kv.mem_usage
 
     # ---- resize ---------------------------------------------------------------------------
 
@@ -405,8 +473,8 @@ class ElasticKV:
         step("find")
         nodes = tree_values.nodes_holding(self.tree_cache, moving)
         step("copy")
-        kv = self.kvcache
-        for buf in list(kv.k_buffer) + list(kv.v_buffer):
+        first, second = kv_buffers(self.kvcache)
+        for buf in list(first) + list(second):
             buf[dst_tok] = buf[src_tok]
         remap = torch.arange(rows, dtype=torch.int64)
         remap[src_tok] = dst_tok

@@ -126,6 +126,19 @@ def request_limits(scheduler, tokens: int) -> Tuple[int, int]:
     return max_req_len, max(1, max_req_len - (start[0] - start[1]))
 
 
+def _write(obj, name: str, value) -> None:
+    """``obj.name = value``; a frozen dataclass through ``object.__setattr__`` (the documented
+    way around ``frozen``), which a ``msgspec.Struct`` (upstream's ``BeamCoordinator``)
+    refuses while taking a plain ``setattr``.
+
+    Raises:
+        AttributeError, TypeError: neither way could write it."""
+    try:
+        setattr(obj, name, value)
+    except AttributeError:  # dataclasses.FrozenInstanceError
+        object.__setattr__(obj, name, value)
+
+
 def publish_size(scheduler, tokens: int) -> None:
     """Tell the scheduler and its components the pool's new size (tokens): the idle invariant
     check, the pool statistics and the load reports read their own copies; and the request
@@ -137,17 +150,20 @@ def publish_size(scheduler, tokens: int) -> None:
 
     Upstream's components take the size as a constructor constant, some of them frozen
     dataclasses (``SchedulerPoolStatsObserver``, ``SchedulerLoadInquirer``); a resize changes
-    it, so it is written with ``object.__setattr__`` (the documented way around ``frozen``),
-    at the safe point, where none of them runs. Never raises (the pool has already resized)."""
+    it, so it is written by :func:`_write` at the safe point, where none of them runs. Never
+    raises (the pool has already resized)."""
     scheduler.max_total_num_tokens = tokens
     if hasattr(scheduler, "max_req_len") and hasattr(scheduler, "max_req_input_len"):
         try:
             scheduler.max_req_len, scheduler.max_req_input_len = request_limits(scheduler, tokens)
-            beams = getattr(scheduler, "beam_coordinator", None)
-            if beams is not None and hasattr(beams, "max_req_len"):
-                object.__setattr__(beams, "max_req_len", scheduler.max_req_len)
         except (AttributeError, TypeError, ValueError) as e:
             logger.error("elastic KV: the request limits keep their old values (%s)", e)
+        beams = getattr(scheduler, "beam_coordinator", None)
+        if beams is not None and hasattr(beams, "max_req_len"):
+            try:
+                _write(beams, "max_req_len", scheduler.max_req_len)
+            except (AttributeError, TypeError) as e:
+                logger.error("elastic KV: the beam coordinator keeps its old max_req_len (%s)", e)
     widen = int(getattr(scheduler, "kv_shard_widening", 1) or 1)
     for name, value in (
         ("pool_stats_observer", tokens * widen),
@@ -158,7 +174,7 @@ def publish_size(scheduler, tokens: int) -> None:
         comp = getattr(scheduler, name, None)
         if comp is not None and hasattr(comp, "max_total_num_tokens"):
             try:
-                object.__setattr__(comp, "max_total_num_tokens", value)
+                _write(comp, "max_total_num_tokens", value)
             except (AttributeError, TypeError) as e:
                 logger.error("elastic KV: %s keeps the old pool size (%s)", name, e)
 
