@@ -55,6 +55,22 @@ def _scheduler_rss(srv) -> int:
     return max(p.memory_info().rss for p in procs)
 
 
+def _fresh_cache_with_prefixes(url: str, seed: int) -> None:
+    """The same radix cache before both runs of a storm test: flushed (a stream prompt cached
+    by the first run would be served from the cache in the second: a one-row extend instead of
+    a whole prefill, whose bf16 roundings differ), then cached prefixes on the low pages (5 x
+    1000 tokens of ``seed``, evictable once done), so the streams' pages lie above the first
+    shrink's boundary: it must evict them and move pages."""
+    assert requests.post(url + "/flush_cache", timeout=60).status_code == 200
+    for ids in random_prompts(lengths=(1000,) * 5, seed=seed):
+        r = requests.post(
+            url + "/generate",
+            json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+
+
 def test_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
     srv = _server(server_pool)
     split = _split(srv.url)
@@ -75,24 +91,9 @@ def test_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
     ]
     prompts = random_prompts(lengths=(5, 12, 31, 64, 97, 140, 200, 300), seed=11)[:STREAMS]
 
-    def fresh_cache_with_prefixes():
-        """The same radix cache before both runs: flushed (a stream prompt cached by the
-        first run would be served from the cache in the second: a one-row extend instead of a
-        whole prefill, whose bf16 roundings differ), then cached prefixes on the low pages
-        (5 x 1000 tokens, evictable once done), so the streams' pages lie above the first
-        shrink's boundary: it must evict them and move pages."""
-        assert requests.post(srv.url + "/flush_cache", timeout=60).status_code == 200
-        for ids in random_prompts(lengths=(1000,) * 5, seed=12):
-            r = requests.post(
-                srv.url + "/generate",
-                json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
-                timeout=300,
-            )
-            assert r.status_code == 200, r.text
-
-    fresh_cache_with_prefixes()
+    _fresh_cache_with_prefixes(srv.url, 12)
     want = _concurrent_streams(srv.url, prompts)
-    fresh_cache_with_prefixes()
+    _fresh_cache_with_prefixes(srv.url, 12)
     done = []
 
     def run_storm(streams):
@@ -122,7 +123,7 @@ def test_kv_shrinks_and_grows_with_streams_in_flight(server_pool):
     finally:  # the next tests of this shared server expect it as it started
         assert _post(srv.url, {"kv_tokens": full, "expert_cache_size": "8"}).status_code == 200
     assert not differ, f"greedy tokens differ after KV rebalances (stream, first token): {differ}"
-    fresh_cache_with_prefixes()
+    _fresh_cache_with_prefixes(srv.url, 12)
     assert _concurrent_streams(srv.url, prompts) == want  # the same streams without rebalances
 
 
@@ -175,19 +176,9 @@ def assert_kv_storm_keeps_streams(srv, seed: int) -> None:
     full = kv0["kv_tokens"]
     prompts = random_prompts(lengths=(5, 12, 31, 64, 97, 140, 200, 300), seed=seed)[:STREAMS]
 
-    def fresh_cache_with_prefixes():  # as in the test above
-        assert requests.post(srv.url + "/flush_cache", timeout=60).status_code == 200
-        for ids in random_prompts(lengths=(1000,) * 5, seed=seed + 1):
-            r = requests.post(
-                srv.url + "/generate",
-                json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
-                timeout=300,
-            )
-            assert r.status_code == 200, r.text
-
-    fresh_cache_with_prefixes()
+    _fresh_cache_with_prefixes(srv.url, seed + 1)
     want = _concurrent_streams(srv.url, prompts)
-    fresh_cache_with_prefixes()
+    _fresh_cache_with_prefixes(srv.url, seed + 1)
     done = []
 
     def run_storm(streams):

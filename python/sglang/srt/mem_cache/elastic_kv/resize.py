@@ -107,23 +107,23 @@ def kv_buffers(kv) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
 
 
 def _set_buffers(kv, first: List[torch.Tensor], second: List[torch.Tensor]) -> None:
-    """Install new buffer lists and refresh what the pool derived from their pointers."""
+    """Install new buffer lists (:func:`kv_buffers`' layout) and :func:`_refresh`."""
     if _is_mla(kv):
         kv.kv_buffer = first
-        kv.data_ptrs = torch.tensor(
-            [x.data_ptr() for x in kv.kv_buffer], dtype=torch.uint64, device=kv.device
-        )
-        return
-    kv.k_buffer, kv.v_buffer = first, second
+    else:
+        kv.k_buffer, kv.v_buffer = first, second
     _refresh(kv)
 
 
 def _refresh(kv) -> None:
+    """Recompute what the pool derived from its buffers' pointers."""
     if _is_mla(kv):
-        _set_buffers(kv, kv.kv_buffer, [])
-        return
-    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
-    kv._init_data_ptrs_and_strides()
+        kv.data_ptrs = torch.tensor(
+            [x.data_ptr() for x in kv.kv_buffer], dtype=torch.uint64, device=kv.device
+        )
+    else:
+        kv._kv_buffer_descs = kv._build_kv_buffer_descs()
+        kv._init_data_ptrs_and_strides()
 
 
 def _supported(kvcache) -> Optional[str]:
